@@ -1,0 +1,4 @@
+"""ComfyUI entry point: registers the Z-Image nodes."""
+from .nodes import comfy_entrypoint
+
+__all__ = ["comfy_entrypoint"]

@@ -1,0 +1,35 @@
+import os
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from zimage_core.config import ZImageConfig  # noqa: E402
+from zimage_core.random_weights import write_checkpoint  # noqa: E402
+
+# Small enough for a CPU, the real structure otherwise (head_dim 128, axes 32/48/48, t_dim 256).
+TINY = ZImageConfig(dim=256, n_layers=4, n_refiner_layers=1, n_heads=2, ffn_dim=768, cap_feat_dim=64,
+                    t_hidden=256)
+
+
+@pytest.fixture(scope="session")
+def tiny_cfg():
+    return TINY
+
+
+@pytest.fixture(scope="session")
+def tiny_file(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("weights") / "tiny.safetensors")
+    write_checkpoint(path, TINY, dtype=torch.float32, seed=1)
+    return path
+
+
+def inputs(cfg, width=64, height=48, cap=7, batch=1, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch, cfg.in_channels, height // 8, width // 8, generator=g)
+    ctx = torch.randn(batch, cap, cfg.cap_feat_dim, generator=g)
+    t = torch.full((batch,), 0.7)
+    return x, t, ctx

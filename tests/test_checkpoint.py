@@ -1,0 +1,169 @@
+"""Every layout and dtype of zimage-spec.md loads to the same weights; bad files fail clearly."""
+import json
+import os
+import struct
+
+import pytest
+import torch
+
+from conftest import TINY
+from zimage_core import host_memory
+from zimage_core.checkpoint import Checkpoint, expected_shapes
+from zimage_core.errors import CheckpointError
+from zimage_core.random_weights import write_checkpoint, write_safetensors
+from zimage_core.transformer import ZImageTransformer
+
+LAYOUTS = [("comfyui", 1), ("comfyui-prefixed", 1), ("diffusers", 1), ("diffusers", 3)]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    d = tmp_path_factory.mktemp("ref")
+    path = str(d / "ref.safetensors")
+    write_checkpoint(path, TINY, dtype=torch.float32, seed=3)
+    ck = Checkpoint(path)
+    ref = {k: ck.tensor(k).clone() for k in expected_shapes(TINY)}
+    ck.close()
+    return ref
+
+
+@pytest.mark.parametrize("layout,shards", LAYOUTS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_layouts_and_dtypes_load_the_same_weights(tmp_path, reference, layout, shards, dtype):
+    path = str(tmp_path / "m.safetensors")
+    [opened] = write_checkpoint(path, TINY, values=lambda k: reference[k], dtype=dtype, layout=layout, shards=shards)
+    ck = Checkpoint(opened)
+    try:
+        assert ck.config == TINY
+        assert ck.storage_dtype == dtype
+        for k, v in reference.items():
+            got = ck.tensor(k)
+            assert got.dtype == dtype
+            assert torch.equal(got, v.to(dtype)), k
+    finally:
+        ck.close()
+
+
+def test_folder_with_index_and_stray_keys(tmp_path, reference):
+    write_checkpoint(str(tmp_path / "diffusion_pytorch_model.safetensors"), TINY, values=lambda k: reference[k],
+                     layout="diffusers", shards=2)
+    ck = Checkpoint(str(tmp_path))
+    assert ck.config.n_layers == TINY.n_layers
+    ck.close()
+    # a ComfyUI save: prefixed keys plus a stray norm_final.weight that must be ignored
+    shapes = expected_shapes(TINY)
+    entries = [("model.diffusion_model." + k, s, torch.bfloat16, lambda k=k: reference[k]) for k, s in shapes.items()]
+    entries.append(("model.diffusion_model.norm_final.weight", (TINY.dim,), torch.bfloat16, lambda: torch.ones(TINY.dim)))
+    path = str(tmp_path / "saved.safetensors")
+    write_safetensors(path, entries)
+    ck = Checkpoint(path)
+    assert torch.equal(ck.tensor("layers.1.feed_forward.w2.weight"), reference["layers.1.feed_forward.w2.weight"].bfloat16())
+    ck.close()
+
+
+def test_main_layer_count_comes_from_the_keys(tmp_path):
+    cfg = TINY.__class__(**{**TINY.__dict__, "n_layers": 7})
+    path = str(tmp_path / "seven.safetensors")
+    write_checkpoint(path, cfg)
+    ck = Checkpoint(path)
+    assert ck.config.n_layers == 7
+    ck.close()
+
+
+def _write_raw(path, header: dict, data: bytes):
+    blob = json.dumps(header).encode()
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)) + blob + data)
+
+
+def _expect(path, *fragments):
+    before = host_memory.live_bytes()
+    with pytest.raises(CheckpointError) as e:
+        ZImageTransformer.load(path, device="cpu", dtype="fp32")
+    msg = str(e.value)
+    assert os.fspath(path) in msg
+    for f in fragments:
+        assert f in msg, msg
+    assert host_memory.live_bytes() == before
+    return msg
+
+
+def test_not_safetensors(tmp_path):
+    p = tmp_path / "model.ckpt"
+    p.write_bytes(b"PK\x03\x04 pickle")
+    _expect(p, "only safetensors")
+    p = tmp_path / "garbage.safetensors"
+    p.write_bytes(os.urandom(64))
+    _expect(p, "not a safetensors file")
+    p = tmp_path / "empty.safetensors"
+    p.write_bytes(b"")
+    _expect(p, "empty or truncated")
+    _expect(tmp_path / "missing.safetensors", "does not exist")
+
+
+def test_truncated(tmp_path, tiny_file):
+    p = tmp_path / "cut.safetensors"
+    data = open(tiny_file, "rb").read()
+    p.write_bytes(data[: len(data) - 1000])
+    _expect(p, "truncated", "1,000 bytes")
+
+
+@pytest.mark.parametrize("key,what", [("double_blocks.0.img_attn.qkv.weight", "Flux"),
+                                      ("decoder.conv_in.weight", "VAE"),
+                                      ("model.embed_tokens.weight", "text encoder")])
+def test_other_models_are_named(tmp_path, key, what):
+    p = tmp_path / "other.safetensors"
+    write_safetensors(str(p), [(key, (4, 4), torch.bfloat16, lambda: torch.zeros(4, 4))])
+    _expect(p, "not a Z-Image transformer", what)
+
+
+def test_missing_and_misshapen_keys(tmp_path, reference):
+    shapes = expected_shapes(TINY)
+    keep = {k: s for k, s in shapes.items() if k != "layers.2.attention.k_norm.weight"}
+    p = tmp_path / "missing.safetensors"
+    write_safetensors(str(p), [(k, s, torch.float32, lambda k=k: reference[k]) for k, s in keep.items()])
+    _expect(p, "missing 1 Z-Image tensor", "layers.2.attention.k_norm.weight")
+    p = tmp_path / "shape.safetensors"
+    bad = dict(shapes, **{"layers.1.feed_forward.w2.weight": (TINY.dim, 10)})
+    write_safetensors(str(p), [(k, s, torch.float32, lambda s=s: torch.zeros(s)) for k, s in bad.items()])
+    _expect(p, "layers.1.feed_forward.w2.weight", "shape [256, 10]", "expected [256, 768]")
+
+
+def test_unsupported_dtype(tmp_path, reference):
+    shapes = expected_shapes(TINY)
+    entries = [(k, s, torch.float32, lambda k=k: reference[k]) for k, s in shapes.items()]
+    p = tmp_path / "int.safetensors"
+    write_safetensors(str(p), entries)
+    raw = open(p, "rb").read()
+    n = struct.unpack("<Q", raw[:8])[0]
+    header = json.loads(raw[8:8 + n])
+    header["x_pad_token"]["dtype"] = "I32"
+    _write_raw(p, header, raw[8 + n:])
+    _expect(p, "x_pad_token", "I32", "not supported")
+
+
+def test_interrupt_while_pinning_leaves_nothing(tmp_path, tiny_file, monkeypatch):
+    from zimage_core import streamer
+    calls = {"n": 0}
+    real = streamer.PackLayout.fill
+
+    def fill(self, flat, pieces):
+        calls["n"] += 1
+        if calls["n"] == 4:  # refiners first, then the second main layer being packed
+            raise KeyboardInterrupt
+        return real(self, flat, pieces)
+
+    monkeypatch.setattr(streamer.PackLayout, "fill", fill)
+    before = host_memory.live_bytes()
+    with pytest.raises(KeyboardInterrupt):
+        ZImageTransformer.load(tiny_file, device="cpu", dtype="fp32")
+    assert host_memory.live_bytes() == before
+
+
+def test_bad_dtype_options(tiny_file):
+    from zimage_core.errors import ZImageError
+    with pytest.raises(ZImageError, match="compute dtype 'fp8'"):
+        ZImageTransformer.load(tiny_file, device="cpu", dtype="fp8")
+    with pytest.raises(ZImageError, match="weight dtype 'int8'"):
+        ZImageTransformer.load(tiny_file, device="cpu", weight_dtype="int8")

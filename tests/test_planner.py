@@ -1,0 +1,91 @@
+"""The planner: fewer resident layers for larger images, more with more memory; CLI output."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from zimage_core.config import FULL
+from zimage_core.planner import plan, simulate_step
+
+GiB = 1 << 30
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_resident_layers_fall_as_the_image_grows():
+    counts = [plan(FULL, int(11.5 * GiB), s, s).resident_layers for s in (512, 1024, 1536, 2048, 3072)]
+    assert counts == sorted(counts, reverse=True) and counts[0] > counts[-1]
+
+
+def test_resident_layers_rise_with_memory():
+    counts = [plan(FULL, int(g * GiB), 1024, 1024).resident_layers for g in (5.5, 7.5, 9.5, 11.5, 16, 40)]
+    assert counts == sorted(counts) and counts[0] < counts[-1]
+    assert counts[-1] == FULL.n_layers
+    whole = plan(FULL, 40 * GiB, 1024, 1024)
+    assert whole.streamed_layers == 0 and whole.slots == 0 and whole.pinned_host_bytes == 0
+
+
+def test_plan_fits_its_memory():
+    for g in (5.5, 7.5, 11.5):
+        for s in (1024, 2048):
+            p = plan(FULL, int(g * GiB), s, s)
+            assert p.fits and p.device_bytes <= p.free_bytes
+            assert p.resident_layers + p.streamed_layers == FULL.n_layers
+            assert p.slots >= 2
+
+
+def test_too_little_memory_is_reported():
+    p = plan(FULL, 1 * GiB, 1024, 1024)
+    assert not p.fits and "does not fit" in p.summary()
+
+
+def test_fp8_storage_keeps_more_layers():
+    bf16 = plan(FULL, int(7.5 * GiB), 1024, 1024)
+    fp8 = plan(FULL, int(7.5 * GiB), 1024, 1024, storage=torch.float8_e4m3fn)
+    assert fp8.layer_bytes * 2 == bf16.layer_bytes
+    assert fp8.resident_layers > bf16.resident_layers
+
+
+def test_more_slots_when_copies_are_slow_relative_to_compute():
+    fast = plan(FULL, int(11.5 * GiB), 1024, 1024, compute_copy_ratio=3.0)
+    slow = plan(FULL, int(11.5 * GiB), 1024, 1024, compute_copy_ratio=0.4)
+    assert fast.slots == 2 and slow.slots > 2
+    # the simulated schedule: copies hidden behind compute when compute is slower
+    assert simulate_step(20, 10, 2, 3.0, 1.0) == pytest.approx(30 * 3.0 + 0, abs=1.0)
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "zimage_core", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_plan_command():
+    r = _cli("plan", "--vram-gib", "11.5", "--width", "1024", "--height", "1024", "--json")
+    assert r.returncode == 0, r.stderr
+    p = json.loads(r.stdout)
+    for key in ("resident_layers", "streamed_layers", "device_bytes", "pinned_host_bytes"):
+        assert key in p
+    assert p["resident_layers"] + p["streamed_layers"] == 30
+    text = _cli("plan", "--vram-gib", "7.5")
+    assert text.returncode == 0 and "layers on the GPU" in text.stdout and "pinned host bytes" in text.stdout
+    bad = _cli("plan", "--vram-gib", "8", "--width", "1000")
+    assert bad.returncode != 0 and "multiples of 16" in bad.stderr
+
+
+def test_bench_command_on_cpu(tiny_file):
+    r = _cli("bench", "--weights", tiny_file, "--width", "64", "--height", "64", "--steps", "3",
+             "--resident-layers", "1", "--resident", "--json", "--device", "cpu")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["resident_layers"] == 1 and out["streamed_layers"] == 3
+    assert out["output_sha256"] == out["resident_output_sha256"]
+    assert out["streamed_bytes_per_step"] > 0
+
+
+def test_bench_reports_bad_weights(tmp_path):
+    p = tmp_path / "x.safetensors"
+    p.write_bytes(b"nope")
+    r = _cli("bench", "--weights", str(p), "--device", "cpu")
+    assert r.returncode != 0 and "error:" in r.stderr and "x.safetensors" in r.stderr

@@ -1,0 +1,134 @@
+"""Streamed output is bit-identical to resident output for every split, through eviction,
+promotion and the out-of-memory evict-and-retry path."""
+import pytest
+import torch
+
+from conftest import TINY, inputs
+from zimage_core import host_memory
+from zimage_core.errors import OutOfDeviceMemory
+from zimage_core.schedule import euler_sample
+from zimage_core.transformer import ZImageTransformer
+
+
+@pytest.fixture(scope="module", params=["fp32", "bf16"])
+def model(request, tiny_file):
+    m = ZImageTransformer.load(tiny_file, device="cpu", dtype=request.param)
+    yield m
+    m.release()
+
+
+def _run(m, resident, **kw):
+    x, t, ctx = inputs(TINY, **kw)
+    m.prepare(x.shape[-1] * 8, x.shape[-2] * 8, x.shape[0], resident_layers=resident)
+    assert m.streamer.n_resident == resident
+    return m(x, t, ctx)
+
+
+def test_every_split_is_bit_identical(model):
+    ref = _run(model, TINY.n_layers)
+    assert model.streamer.slots == []
+    assert torch.isfinite(ref).all() and ref.abs().sum() > 0
+    for r in range(TINY.n_layers):
+        out = _run(model, r)
+        assert model.streamer.slots, "streamed layers need slots"
+        assert torch.equal(out, ref), f"{r} resident layers differ from all resident"
+
+
+def test_batch_and_odd_sizes(model):
+    ref = _run(model, TINY.n_layers, width=80, height=48, batch=2, cap=5)
+    assert ref.shape == (2, 16, 6, 10)
+    assert torch.equal(_run(model, 1, width=80, height=48, batch=2, cap=5), ref)
+
+
+def test_slot_count_does_not_change_bits(model):
+    ref = _run(model, TINY.n_layers)
+    for slots in (1, 2, 3):
+        model.streamer.configure(0, slots)
+        x, t, ctx = inputs(TINY)
+        assert torch.equal(model(x, t, ctx), ref)
+
+
+def test_evict_and_promote_keep_output(model):
+    ref = _run(model, TINY.n_layers)
+    x, t, ctx = inputs(TINY)
+    layer = model.streamer.layout.nbytes
+    freed = model.evict(2 * layer)
+    assert freed >= 2 * layer - layer  # eviction may add slots for the first streamed layer
+    assert model.streamer.n_resident < TINY.n_layers
+    assert torch.equal(model(x, t, ctx), ref)
+    model.prepare(64, 48, resident_layers=TINY.n_layers)  # memory came back: promote
+    assert model.streamer.n_resident == TINY.n_layers
+    assert torch.equal(model(x, t, ctx), ref)
+
+
+def test_sampling_is_identical_streamed_and_resident(model):
+    x, _, ctx = inputs(TINY)
+    model.prepare(64, 48, resident_layers=TINY.n_layers)
+    ref = euler_sample(model, x, ctx, steps=3)
+    model.prepare(64, 48, resident_layers=1)
+    assert torch.equal(euler_sample(model, x, ctx, steps=3), ref)
+
+
+def test_out_of_memory_evicts_and_retries(tiny_file):
+    m = ZImageTransformer.load(tiny_file, device="cpu", dtype="fp32")
+    try:
+        x, t, ctx = inputs(TINY)
+        m.prepare(64, 48, resident_layers=TINY.n_layers)
+        ref = m(x, t, ctx)
+        splits = []
+        m.on_split_change = splits.append
+        m.memory_limit = 1  # far too little: must end with everything streamed
+        with pytest.raises(OutOfDeviceMemory, match="even with every layer streamed"):
+            m(x, t, ctx)
+        assert m.streamer.n_resident == 0
+        # a budget that holds two resident layers less than all of them
+        m.memory_limit = None
+        m.prepare(64, 48, resident_layers=TINY.n_layers)
+        layer = m.streamer.layout.nbytes
+        from zimage_core import planner
+        act = planner.activation_bytes(TINY, 64, 48, 1, dtype=torch.float32, storage=torch.float32)
+        fixed = TINY.fixed_params() * 4
+        m.memory_limit = fixed + act + (TINY.n_layers - 1) * layer
+        splits.clear()
+        out = m(x, t, ctx)
+        assert torch.equal(out, ref)
+        assert 0 < m.streamer.n_resident < TINY.n_layers
+        assert m.streamer.device_bytes <= (TINY.n_layers - 1) * layer
+        assert splits and "streamed" in splits[-1]
+    finally:
+        m.release()
+
+
+def test_pinned_cap_and_release(tiny_file):
+    from zimage_core.streamer import PackLayout
+    layer = PackLayout(TINY, torch.float32).nbytes
+    before = host_memory.live_bytes()
+    m = ZImageTransformer.load(tiny_file, device="cpu", dtype="fp32", pinned_cap=2 * layer)
+    assert m.streamer.pinned_layers == 2
+    assert m.streamer.host[-1] is not None and m.streamer.host[0] is None  # trailing layers first
+    assert host_memory.live_bytes() - before == 2 * layer
+    x, t, ctx = inputs(TINY)
+    m.prepare(64, 48, resident_layers=TINY.n_layers)
+    ref = m(x, t, ctx)
+    m.prepare(64, 48, resident_layers=0)  # layers past the cap stream from the mapped file
+    assert torch.equal(m(x, t, ctx), ref)
+    m.release()
+    assert host_memory.live_bytes() == before
+
+
+def test_fp8_storage_streams_and_matches_upcast_weights(tmp_path):
+    from zimage_core.random_weights import write_checkpoint
+    path = str(tmp_path / "fp8.safetensors")
+    write_checkpoint(path, TINY, dtype=torch.float8_e4m3fn, seed=2)
+    m = ZImageTransformer.load(path, device="cpu", dtype="bf16")
+    assert m.storage_dtype == torch.float8_e4m3fn
+    assert m.streamer.layout.nbytes * 2 == ZImageTransformer.load(path, device="cpu", dtype="bf16",
+                                                                  weight_dtype="bf16").streamer.layout.nbytes
+    x, t, ctx = inputs(TINY)
+    m.prepare(64, 48, resident_layers=TINY.n_layers)
+    ref = m(x, t, ctx)
+    m.prepare(64, 48, resident_layers=0)
+    assert torch.equal(m(x, t, ctx), ref)
+    up = ZImageTransformer.load(path, device="cpu", dtype="bf16", weight_dtype="bf16")
+    up.prepare(64, 48, resident_layers=TINY.n_layers)
+    assert torch.equal(up(x, t, ctx), ref)

@@ -1,0 +1,117 @@
+"""Step-time benchmark of the streamed transformer against its bound, in one process.
+
+The bound of a step is max(compute of every layer, streamed bytes / pinned bandwidth). Both
+terms are measured here under the same memory: compute by running the same steps with the
+uploads skipped (the slots keep stale weights, so only the time is kept), bandwidth by timing
+uploads alone.
+"""
+from __future__ import annotations
+
+import hashlib
+import statistics
+import time
+
+import torch
+
+from .schedule import euler_sample
+from .transformer import ZImageTransformer
+
+
+def _sync(dev):
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def _timed_steps(model, noise, ctx, steps):
+    times = []
+    last = [time.perf_counter()]
+
+    def tick(i, x):
+        _sync(model.device)
+        now = time.perf_counter()
+        times.append(now - last[0])
+        last[0] = now
+
+    _sync(model.device)
+    last[0] = time.perf_counter()
+    out = euler_sample(model, noise, ctx, steps=steps, callback=tick)
+    return out, times
+
+
+def pinned_bandwidth(model, repeats=5) -> float | None:
+    """Bytes per second of one packed layer upload from pinned memory, median of ``repeats``."""
+    s = model.streamer
+    host = next((h for h in reversed(s.host) if h is not None), None)
+    if host is None or model.device.type != "cuda":
+        return None
+    dst = s.slots[0] if s.slots else torch.empty_like(host, device=model.device)
+    times = []
+    for _ in range(repeats):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(s.copy_stream):
+            a.record(s.copy_stream)
+            dst.copy_(host, non_blocking=True)
+            b.record(s.copy_stream)
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    return host.numel() * host.element_size() / statistics.median(times)
+
+
+def run(weights, width, height, steps=8, seed=0, resident_layers=None, device=None, resident=False,
+        cap_tokens=64, dtype="bf16"):
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    model = ZImageTransformer.load(weights, device=dev, dtype=dtype)
+    try:
+        return _run(model, dev, width, height, steps, seed, resident_layers, resident, cap_tokens)
+    finally:
+        model.release()
+
+
+def _run(model, dev, width, height, steps, seed, resident_layers, resident, cap_tokens):
+    cfg = model.cfg
+    g = torch.Generator().manual_seed(seed)
+    noise = torch.randn(1, cfg.in_channels, height // 8, width // 8, generator=g).to(dev)
+    ctx = torch.randn(1, cap_tokens, cfg.cap_feat_dim, generator=g).to(dev)
+    plan = model.prepare(width, height, resident_layers=resident_layers)
+    s = model.streamer
+    euler_sample(model, noise, ctx, steps=1)  # warm-up: kernels, allocator, first uploads
+    s.uploads = 0
+    s.profile, s.copy_events = True, []
+    out, times = _timed_steps(model, noise, ctx, steps)
+    s.profile = False
+    _sync(dev)
+    copy_s = sum(a.elapsed_time(b) for a, b in s.copy_events) / 1e3
+    streamed_bytes = s.uploads * s.layout.nbytes / steps
+    bw = pinned_bandwidth(model)
+    # compute alone, same memory, uploads skipped
+    real_prefetch = s._prefetch
+    s._prefetch = lambda i, k: None
+    try:
+        _, compute_times = _timed_steps(model, noise, ctx, steps)
+    finally:
+        s._prefetch = real_prefetch
+    step = statistics.median(times[1:] or times)
+    compute = statistics.median(compute_times[1:] or compute_times)
+    bound = max(compute, streamed_bytes / bw) if bw else compute
+    result = {
+        "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+        "width": width, "height": height, "steps": steps,
+        "resident_layers": s.n_resident, "streamed_layers": s.n_streamed, "slots": len(s.slots),
+        "planned_activation_bytes": plan.activation_bytes,
+        "first_step_s": times[0], "median_step_s": step, "compute_step_s": compute,
+        "streamed_bytes_per_step": streamed_bytes,
+        "copy_bandwidth_Bps": (s.uploads * s.layout.nbytes / copy_s) if copy_s else None,
+        "pinned_bandwidth_Bps": bw, "bound_s": bound, "ratio_to_bound": step / bound,
+        "output_sha256": hashlib.sha256(out.cpu().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest(),
+    }
+    if dev.type == "cuda":
+        result["peak_allocated_bytes"] = torch.cuda.max_memory_allocated(dev)
+    if resident:
+        model.prepare(width, height, resident_layers=cfg.n_layers)
+        euler_sample(model, noise, ctx, steps=1)
+        out_r, times_r = _timed_steps(model, noise, ctx, steps)
+        result["resident_median_step_s"] = statistics.median(times_r[1:] or times_r)
+        result["resident_output_sha256"] = hashlib.sha256(
+            out_r.cpu().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+        result["ratio_to_resident"] = step / result["resident_median_step_s"]
+    return result

@@ -1,0 +1,67 @@
+"""Z-Image transformer hyper-parameters, read from a checkpoint's tensor shapes."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ZImageConfig:
+    dim: int = 3840
+    n_layers: int = 30
+    n_refiner_layers: int = 2
+    n_heads: int = 30
+    ffn_dim: int = 10240
+    cap_feat_dim: int = 2560
+    in_channels: int = 16
+    patch_size: int = 2
+    t_dim: int = 256
+    t_hidden: int = 1024
+    axes_dims: tuple = (32, 48, 48)
+    rope_theta: float = 256.0
+    norm_eps: float = 1e-5
+    time_scale: float = 1000.0
+    pad_multiple: int = 32
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def big_shapes(self) -> dict:
+        """The five matrices of a block that are worth streaming, in packing order."""
+        d, f = self.dim, self.ffn_dim
+        return {"qkv": (3 * d, d), "out": (d, d), "w1": (f, d), "w3": (f, d), "w2": (d, f)}
+
+    def image_tokens(self, width: int, height: int) -> int:
+        p = self.patch_size * 8
+        n = (width // p) * (height // p)
+        return n + (-n) % self.pad_multiple
+
+    def small_layer_params(self, modulated: bool = True) -> int:
+        """Parameters of a block that always stay on the GPU: norms and adaLN."""
+        n = 4 * self.dim + 2 * self.head_dim
+        if modulated:
+            n += 4 * self.dim * (self.t_dim + 1)
+        return n
+
+    def big_layer_params(self) -> int:
+        return sum(a * b for a, b in self.big_shapes.values())
+
+    def fixed_params(self) -> int:
+        """Everything that is never streamed: refiners, embedders, final layer, pad tokens,
+        and the norms and adaLN of every main layer."""
+        d = self.dim
+        n = self.n_refiner_layers * (2 * self.big_layer_params() + self.small_layer_params(True)
+                                     + self.small_layer_params(False))
+        n += self.n_layers * self.small_layer_params(True)
+        n += d * self.in_channels * self.patch_size ** 2 + d  # x_embedder
+        n += self.t_hidden * self.t_dim + self.t_hidden + self.t_dim * self.t_hidden + self.t_dim
+        n += self.cap_feat_dim + d * self.cap_feat_dim + d  # cap_embedder
+        n += self.in_channels * self.patch_size ** 2 * (d + 1) + d * (self.t_dim + 1)  # final layer
+        return n + 2 * d  # pad tokens
+
+    def total_params(self) -> int:
+        return self.fixed_params() + self.n_layers * self.big_layer_params()
+
+
+FULL = ZImageConfig()

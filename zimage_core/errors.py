@@ -1,0 +1,24 @@
+"""Errors the user can act on. Messages say what is wrong and what to do next."""
+
+
+class ZImageError(Exception):
+    """Base class: anything the pack reports to the user as a plain message."""
+
+
+class CheckpointError(ZImageError):
+    """A weights file that cannot be read as a Z-Image transformer."""
+
+    def __init__(self, path, problem: str, fix: str = ""):
+        self.path = str(path)
+        msg = f"{self.path}: {problem}"
+        if fix:
+            msg += f" {fix}"
+        super().__init__(msg)
+
+
+class OutOfDeviceMemory(ZImageError):
+    """Not even a fully streamed transformer fits next to the activations."""
+
+
+class HostMemoryError(ZImageError):
+    """Host RAM cannot hold what must be kept there."""

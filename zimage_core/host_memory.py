@@ -1,0 +1,86 @@
+"""Pinned host buffers, counted against a cap and released as a whole.
+
+Pinned (page-locked) memory is what lets uploads run at full bus speed and asynchronously,
+but it cannot be swapped: taking too much of it starves the rest of the machine. Every
+pinned byte the pack holds goes through a ``HostPool``; ``live_bytes()`` is the process-wide
+total, which the tests use to check that failures leave nothing behind.
+"""
+from __future__ import annotations
+
+import os
+import threading
+
+import torch
+
+_lock = threading.Lock()
+_live = 0
+
+
+def live_bytes() -> int:
+    """Host buffer bytes currently held by every pool in this process."""
+    return _live
+
+
+def available_ram() -> int | None:
+    """MemAvailable from /proc/meminfo (Linux); None where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def default_cap() -> int:
+    """Half of the RAM that is available now: the rest of the machine (the text encoder's
+    host copy, ComfyUI, the OS) keeps the other half."""
+    avail = available_ram()
+    if avail is None:
+        return 8 << 30
+    return avail // 2
+
+
+class HostPool:
+    def __init__(self, cap_bytes: int | None = None, pin: bool | None = None):
+        self.cap = default_cap() if cap_bytes is None else int(cap_bytes)
+        self.pin = torch.cuda.is_available() if pin is None else pin
+        self.used = 0
+        self._buffers = {}
+
+    def allocate(self, numel: int, dtype: torch.dtype) -> torch.Tensor | None:
+        """A flat host buffer, or None when it would pass the cap or the OS refuses to pin it."""
+        global _live
+        nbytes = numel * dtype.itemsize
+        if self.used + nbytes > self.cap:
+            return None
+        try:
+            buf = torch.empty(numel, dtype=dtype, pin_memory=self.pin)
+        except RuntimeError:  # cudaHostAlloc failed: the OS has no more lockable memory
+            return None
+        self._buffers[id(buf)] = nbytes
+        self.used += nbytes
+        with _lock:
+            _live += nbytes
+        return buf
+
+    def release(self, buf: torch.Tensor):
+        global _live
+        nbytes = self._buffers.pop(id(buf), 0)
+        self.used -= nbytes
+        with _lock:
+            _live -= nbytes
+
+    def release_all(self):
+        global _live
+        with _lock:
+            _live -= self.used
+        self._buffers.clear()
+        self.used = 0
+
+    @staticmethod
+    def environment_cap() -> int | None:
+        """ZIMAGE_PINNED_GIB overrides the default cap (e.g. for a 16 GB RAM machine)."""
+        v = os.environ.get("ZIMAGE_PINNED_GIB")
+        return int(float(v) * (1 << 30)) if v else None

@@ -1,0 +1,221 @@
+"""The Z-Image DiT in plain PyTorch, numerically the model of ComfyUI's ``NextDiT`` (Z-Image config).
+
+Blocks hold only their small parameters (norms, adaLN). The five big matrices of every block
+arrive as a ``BigWeights`` argument, so the same kernels run whether a matrix is a resident
+tensor or a view of a streaming slot: that is what makes streamed output bit-identical.
+Called the way ComfyUI calls its diffusion models:
+``model(x, timesteps, context, num_tokens, attention_mask=None, transformer_options={})``,
+with ``timesteps`` = sigma and the output negated (the sampler sees noise - x0).
+"""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ZImageConfig
+
+
+class BigWeights(NamedTuple):
+    qkv: torch.Tensor
+    out: torch.Tensor
+    w1: torch.Tensor
+    w3: torch.Tensor
+    w2: torch.Tensor
+
+
+def clamp_fp16(x):
+    """fp16 activations overflow to inf in Z-Image; ComfyUI clamps at the same three places."""
+    if x.dtype == torch.float16:
+        return torch.nan_to_num(x, nan=0.0, posinf=65504, neginf=-65504)
+    return x
+
+
+def linear(x, w, b=None):
+    """F.linear in the activation dtype; a weight stored narrower (fp8) is upcast on the device."""
+    return F.linear(x, w if w.dtype == x.dtype else w.to(x.dtype), b)
+
+
+def rope(pos, dim, theta):
+    """Rotation matrices for one axis, computed as ComfyUI does (fp64 frequencies, fp32 result)."""
+    scale = torch.linspace(0, (dim - 2) / dim, steps=dim // 2, dtype=torch.float64, device=pos.device)
+    omega = 1.0 / (theta ** scale)
+    out = torch.einsum("...n,d->...nd", pos.to(torch.float32), omega)
+    out = torch.stack([torch.cos(out), -torch.sin(out), torch.sin(out), torch.cos(out)], dim=-1)
+    return out.reshape(*out.shape[:-1], 2, 2).to(torch.float32)
+
+
+def rope_freqs(ids, axes_dims, theta):
+    """[B, L, 3] position ids -> [B, L, 1, head_dim/2, 2, 2]."""
+    emb = torch.cat([rope(ids[..., i], axes_dims[i], theta) for i in range(ids.shape[-1])], dim=-3)
+    return emb.unsqueeze(2)
+
+
+def apply_rope(x, freqs):
+    x_ = x.to(freqs.dtype).reshape(*x.shape[:-1], -1, 1, 2)
+    out = freqs[..., 0] * x_[..., 0]
+    out.addcmul_(freqs[..., 1], x_[..., 1])
+    return out.reshape(*x.shape).type_as(x)
+
+
+def timestep_embedding(t, dim, max_period=10000):
+    half = dim // 2
+    freqs = torch.exp(-math.log(max_period) * torch.arange(0, half, dtype=torch.float32, device=t.device) / half)
+    args = t[:, None].float() * freqs[None]
+    return torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim, eps):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+
+
+class Linear(nn.Module):
+    def __init__(self, n_in, n_out, bias=True):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(n_out, n_in))
+        self.bias = nn.Parameter(torch.empty(n_out)) if bias else None
+
+    def forward(self, x):
+        return linear(x, self.weight, self.bias)
+
+
+class _QKNorms(nn.Module):
+    def __init__(self, head_dim):
+        super().__init__()
+        # ComfyUI builds these without eps, so torch uses finfo(dtype).eps
+        self.q_norm = RMSNorm(head_dim, None)
+        self.k_norm = RMSNorm(head_dim, None)
+
+
+class Block(nn.Module):
+    """A joint transformer block; ``modulated`` blocks (main layers, noise refiners) use adaLN."""
+
+    def __init__(self, cfg: ZImageConfig, modulated: bool):
+        super().__init__()
+        self.n_heads, self.head_dim = cfg.n_heads, cfg.head_dim
+        self.attention = _QKNorms(cfg.head_dim)
+        for name in ("attention_norm1", "attention_norm2", "ffn_norm1", "ffn_norm2"):
+            setattr(self, name, RMSNorm(cfg.dim, cfg.norm_eps))
+        self.modulated = modulated
+        if modulated:
+            self.adaLN_modulation = nn.Sequential(Linear(cfg.t_dim, 4 * cfg.dim))
+
+    def attend(self, x, freqs, w: BigWeights):
+        b, n, _ = x.shape
+        q, k, v = linear(x, w.qkv).split(self.n_heads * self.head_dim, dim=-1)
+        q = self.attention.q_norm(q.view(b, n, self.n_heads, self.head_dim))
+        k = self.attention.k_norm(k.view(b, n, self.n_heads, self.head_dim))
+        v = v.view(b, n, self.n_heads, self.head_dim)
+        q, k = apply_rope(q, freqs), apply_rope(k, freqs)
+        o = F.scaled_dot_product_attention(q.movedim(1, 2), k.movedim(1, 2), v.movedim(1, 2))
+        return linear(o.transpose(1, 2).reshape(b, n, -1), w.out)
+
+    def ffn(self, x, w: BigWeights):
+        return linear(clamp_fp16(F.silu(linear(x, w.w1)) * linear(x, w.w3)), w.w2)
+
+    def forward(self, x, freqs, adaln, w: BigWeights):
+        if self.modulated:
+            scale_msa, gate_msa, scale_mlp, gate_mlp = self.adaLN_modulation(adaln).chunk(4, dim=1)
+            x = x + gate_msa.unsqueeze(1).tanh() * self.attention_norm2(clamp_fp16(
+                self.attend(self.attention_norm1(x) * (1 + scale_msa.unsqueeze(1)), freqs, w)))
+            x = x + gate_mlp.unsqueeze(1).tanh() * self.ffn_norm2(clamp_fp16(
+                self.ffn(self.ffn_norm1(x) * (1 + scale_mlp.unsqueeze(1)), w)))
+        else:
+            x = x + self.attention_norm2(clamp_fp16(self.attend(self.attention_norm1(x), freqs, w)))
+            x = x + self.ffn_norm2(self.ffn(self.ffn_norm1(x), w))
+        return x
+
+
+class _TimestepEmbedder(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.mlp = nn.Sequential(Linear(cfg.t_dim, cfg.t_hidden), nn.SiLU(), Linear(cfg.t_hidden, cfg.t_dim))
+
+
+class _FinalLayer(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.linear = Linear(cfg.dim, cfg.patch_size ** 2 * cfg.in_channels)
+        self.adaLN_modulation = nn.Sequential(nn.SiLU(), Linear(cfg.t_dim, cfg.dim))
+
+    def forward(self, x, c):
+        scale = self.adaLN_modulation(c)
+        x = F.layer_norm(x, (x.shape[-1],), eps=1e-6) * (1 + scale.unsqueeze(1))
+        return self.linear(x)
+
+
+class ZImageDiT(nn.Module):
+    """Small parameters live here; the big block matrices come from ``big_weights``:
+    refiners from ``self.refiner_weights`` (always resident), main layers from a runner
+    (``run_layers(x, layer_fn)``) that owns residency and streaming."""
+
+    def __init__(self, cfg: ZImageConfig, dtype=torch.bfloat16):
+        super().__init__()
+        self.cfg, self.dtype = cfg, dtype
+        self.x_embedder = Linear(cfg.in_channels * cfg.patch_size ** 2, cfg.dim)
+        self.t_embedder = _TimestepEmbedder(cfg)
+        self.cap_embedder = nn.Sequential(RMSNorm(cfg.cap_feat_dim, cfg.norm_eps), Linear(cfg.cap_feat_dim, cfg.dim))
+        self.noise_refiner = nn.ModuleList(Block(cfg, True) for _ in range(cfg.n_refiner_layers))
+        self.context_refiner = nn.ModuleList(Block(cfg, False) for _ in range(cfg.n_refiner_layers))
+        self.layers = nn.ModuleList(Block(cfg, True) for _ in range(cfg.n_layers))
+        self.final_layer = _FinalLayer(cfg)
+        self.x_pad_token = nn.Parameter(torch.empty(1, cfg.dim))
+        self.cap_pad_token = nn.Parameter(torch.empty(1, cfg.dim))
+        self.refiner_weights: dict[str, BigWeights] = {}
+        self.runner = None
+
+    def forward(self, x, timesteps, context, num_tokens=None, attention_mask=None, transformer_options={}, **kwargs):
+        # attention_mask is ignored, as ComfyUI v0.20 does for Z-Image: pad tokens are attended.
+        cfg, p = self.cfg, self.cfg.patch_size
+        dev = self.x_pad_token.device
+        bs, _, h, w = x.shape
+        x = x.to(device=dev, dtype=self.dtype)
+        x = F.pad(x, (0, (-w) % p, 0, (-h) % p), mode="circular")
+        H, W = x.shape[-2:]
+        t = 1.0 - timesteps.to(dev)
+        t = self.t_embedder.mlp(timestep_embedding(t * cfg.time_scale, cfg.t_dim).to(self.dtype))
+
+        cap = self.cap_embedder(context.to(device=dev, dtype=self.dtype))
+        cap = _pad(cap, self.cap_pad_token, cfg.pad_multiple)
+        n_cap = cap.shape[1]
+        cap_ids = torch.zeros(bs, n_cap, 3, dtype=torch.float32, device=dev)
+        cap_ids[:, :, 0] = torch.arange(n_cap, dtype=torch.float32, device=dev) + 1.0
+
+        img = self.x_embedder(x.view(bs, -1, H // p, p, W // p, p).permute(0, 2, 4, 3, 5, 1).flatten(3).flatten(1, 2))
+        ht, wt = H // p, W // p
+        img_ids = torch.zeros(bs, ht * wt, 3, dtype=torch.float32, device=dev)
+        img_ids[:, :, 0] = n_cap + 1
+        img_ids[:, :, 1] = torch.arange(ht, dtype=torch.float32, device=dev).view(-1, 1).repeat(1, wt).flatten()
+        img_ids[:, :, 2] = torch.arange(wt, dtype=torch.float32, device=dev).view(1, -1).repeat(ht, 1).flatten()
+        n_img = img.shape[1]
+        img = _pad(img, self.x_pad_token, cfg.pad_multiple)
+        img_ids = F.pad(img_ids, (0, 0, 0, img.shape[1] - n_img))
+
+        cap_freqs = rope_freqs(cap_ids, cfg.axes_dims, cfg.rope_theta)
+        img_freqs = rope_freqs(img_ids, cfg.axes_dims, cfg.rope_theta)
+        for i, layer in enumerate(self.context_refiner):
+            cap = layer(cap, cap_freqs, None, self.refiner_weights[f"context_refiner.{i}"])
+        for i, layer in enumerate(self.noise_refiner):
+            img = layer(img, img_freqs, t, self.refiner_weights[f"noise_refiner.{i}"])
+
+        xs = torch.cat((cap, img), dim=1)
+        freqs = torch.cat((cap_freqs, img_freqs), dim=1)
+        xs = self.runner.run_layers(xs, lambda i, y, big: self.layers[i](y, freqs, t, big))
+
+        out = self.final_layer(xs, t)[:, n_cap:n_cap + n_img]
+        out = out.view(bs, ht, wt, p, p, -1).permute(0, 5, 1, 3, 2, 4).flatten(4, 5).flatten(2, 3)
+        return -out[:, :, :h, :w]
+
+
+def _pad(x, token, multiple):
+    extra = (-x.shape[1]) % multiple
+    return torch.cat((x, token.to(x.dtype).unsqueeze(0).repeat(x.shape[0], extra, 1)), dim=1)

@@ -1,0 +1,103 @@
+"""How many main layers stay on the GPU for a given free memory and image size.
+
+Device memory = fixed part (refiners, embedders, norms, adaLN) + resident layers + slots +
+activations. Slots cost as much as resident layers, so their number is chosen by simulating
+one step's schedule: with trailing layers streamed, uploads can only run ahead of compute by
+as many layers as there are slots, and a few more slots let the copy engine work during the
+resident layers instead of idling. Without a compute/copy estimate two slots are used
+(classic double buffering).
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+from .config import ZImageConfig
+from .streamer import PackLayout
+
+MiB = 1 << 20
+GiB = 1 << 30
+RESERVE = 384 * MiB  # cuBLAS workspaces, allocator rounding, the CUDA graphs of other code
+
+
+@dataclass
+class Plan:
+    width: int
+    height: int
+    batch: int
+    free_bytes: int
+    resident_layers: int
+    streamed_layers: int
+    slots: int
+    layer_bytes: int
+    fixed_bytes: int
+    activation_bytes: int
+    device_bytes: int
+    pinned_host_bytes: int
+    fits: bool
+
+    def as_dict(self):
+        return asdict(self)
+
+    def summary(self) -> str:
+        n = self.resident_layers + self.streamed_layers
+        if not self.fits:
+            return (f"Z-Image: does not fit: {_gib(self.free_bytes)} free, needs at least "
+                    f"{_gib(self.fixed_bytes + self.activation_bytes + self.layer_bytes + RESERVE)} "
+                    f"at {self.width}x{self.height}")
+        return (f"Z-Image: {self.resident_layers} of {n} layers on the GPU, {self.streamed_layers} streamed "
+                f"({self.width}x{self.height}{'' if self.batch == 1 else f', batch {self.batch}'})")
+
+
+def _gib(b):
+    return f"{b / GiB:.2f} GiB"
+
+
+def activation_bytes(cfg: ZImageConfig, width, height, batch=1, cap_tokens=512,
+                     dtype=torch.bfloat16, storage=torch.bfloat16) -> int:
+    """Peak activation memory of one forward: the FFN of a block over the joint sequence is
+    the high point (input, normed input, w1 and w3 outputs, their product, the residual);
+    the fp32 rotary tables and an upcast copy of the largest weight for narrow storage come on top."""
+    tokens = cfg.image_tokens(width, height) + cap_tokens + (-cap_tokens) % cfg.pad_multiple
+    e = dtype.itemsize
+    per_token = (4 * cfg.dim + 3 * cfg.ffn_dim) * e + cfg.head_dim * 2 * 4 * 2
+    upcast = cfg.ffn_dim * cfg.dim * e if storage.itemsize < e else 0
+    return batch * tokens * per_token + upcast + 64 * MiB
+
+
+def simulate_step(resident, streamed, slots, compute, copy) -> float:
+    """Time of the main layers in one step: compute per layer, copy per streamed layer."""
+    copy_end, comp_end = 0.0, resident * compute
+    slot_free = [0.0] * max(slots, 1)
+    for j in range(streamed):
+        s = j % len(slot_free)
+        copy_end = max(copy_end, slot_free[s]) + copy
+        comp_end = max(comp_end, copy_end) + compute
+        slot_free[s] = comp_end
+    return comp_end
+
+
+def plan(cfg: ZImageConfig, free_bytes: int, width: int, height: int, batch: int = 1,
+         storage=torch.bfloat16, dtype=torch.bfloat16, compute_copy_ratio: float | None = None,
+         pinned_cap: int | None = None) -> Plan:
+    layer = PackLayout(cfg, storage).nbytes
+    fixed = cfg.fixed_params() * dtype.itemsize
+    act = activation_bytes(cfg, width, height, batch, dtype=dtype, storage=storage)
+    room = free_bytes - fixed - act - RESERVE
+    n = cfg.n_layers
+    if room >= n * layer:
+        r, k = n, 0
+    else:
+        m = room // layer  # layers' worth of memory for resident layers + slots
+        options = [(r, mm - r) for mm in [m] for r in range(0, mm - 1)] or [(0, 1)]
+        if compute_copy_ratio is None:
+            r, k = max(m - 2, 0), min(2, max(m, 1))
+        else:
+            r, k = min(options, key=lambda o: (simulate_step(o[0], n - o[0], o[1], compute_copy_ratio, 1.0), -o[0]))
+        k = min(k, n - r)
+    fits = room >= layer or (room >= 0 and n == 0)
+    streamed = n - r
+    pinned = streamed * layer if pinned_cap is None else min(streamed * layer, pinned_cap // layer * layer)
+    return Plan(width, height, batch, free_bytes, r if fits else 0, streamed if fits else n, k if fits else 0,
+                layer, fixed, act, fixed + act + (r + k) * layer if fits else 0, pinned, fits)

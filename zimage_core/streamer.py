@@ -1,0 +1,194 @@
+"""Resident prefix + streamed suffix of the main layers.
+
+Every main layer's five big matrices have one host master: a packed buffer (pinned on CUDA,
+taken from a ``HostPool``) or, past the pinning cap, the memory-mapped file pieces. Layers
+``[0, n_resident)`` also have a packed device buffer; the others are uploaded, one copy per
+layer, into a ring of device slots on a dedicated copy stream, ordered with events: a slot
+is refilled only after the layer that used it has finished, and a layer runs only after its
+upload. Uploads go host -> device only, so evicting a resident layer just drops its device
+buffer and promoting one is a single upload. Every buffer has the same layout, so a matrix
+is the same view of the same shape and alignment whichever buffer it lives in: the kernels,
+and therefore the bits, do not depend on the split. On the CPU the same code runs with
+plain tensors and synchronous copies.
+"""
+from __future__ import annotations
+
+import torch
+
+from .config import ZImageConfig
+from .host_memory import HostPool
+from .model import BigWeights
+
+ALIGN = 256  # bytes; every matrix starts on the same alignment in every buffer
+
+
+class PackLayout:
+    """Where each big matrix sits inside one flat per-layer buffer."""
+
+    def __init__(self, cfg: ZImageConfig, dtype: torch.dtype):
+        self.dtype = dtype
+        self.shapes = cfg.big_shapes
+        step = ALIGN // dtype.itemsize
+        self.offsets, n = {}, 0
+        for name, (r, c) in self.shapes.items():
+            self.offsets[name] = n
+            n += -(-(r * c) // step) * step
+        self.numel = n
+        self.nbytes = n * dtype.itemsize
+
+    def views(self, flat: torch.Tensor) -> BigWeights:
+        return BigWeights(**{name: self.region(flat, name) for name in self.shapes})
+
+    def region(self, flat, name):
+        r, c = self.shapes[name]
+        o = self.offsets[name]
+        return flat[o:o + r * c].view(r, c)
+
+    def fill(self, flat, pieces: dict):
+        """Copy checkpoint pieces {name: [(row, tensor)]} into ``flat`` (casting to its dtype)."""
+        for name, parts in pieces.items():
+            dst = self.region(flat, name)
+            for row, t in parts:
+                dst[row:row + t.shape[0]].copy_(t, non_blocking=flat.is_cuda and t.is_pinned())
+
+
+class LayerStreamer:
+    def __init__(self, layout: PackLayout, sources: list, device, pool: HostPool):
+        """``sources[i]`` is layer i's {name: [(row, tensor)]} file pieces."""
+        self.layout, self.device, self.pool = layout, torch.device(device), pool
+        self.cuda = self.device.type == "cuda"
+        self.n_layers = len(sources)
+        self.sources = sources
+        self.host = [None] * self.n_layers      # packed host masters (pinned where possible)
+        self.resident = {}                     # layer -> packed device buffer
+        self.slots = []
+        self.copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self._ready, self._free = [], []
+        self.profile = False
+        self.copy_events = []                  # (start, end) per upload while profiling
+        self.uploads = 0                       # streamed uploads since the last reset
+
+    # -- host side -------------------------------------------------------------------------
+
+    def pin_trailing(self):
+        """Pack and pin host masters from the last layer backwards until the pool's cap:
+        the trailing layers are the ones that stream first and are evicted first."""
+        for i in reversed(range(self.n_layers)):
+            if self.host[i] is not None:
+                continue
+            buf = self.pool.allocate(self.layout.numel, self.layout.dtype)
+            if buf is None:
+                break
+            self.layout.fill(buf, self.sources[i])
+            self.host[i] = buf
+
+    @property
+    def pinned_layers(self) -> int:
+        return sum(h is not None for h in self.host)
+
+    def _upload(self, i, dst):
+        if self.host[i] is not None:
+            dst.copy_(self.host[i], non_blocking=self.cuda)
+        else:  # past the pinning cap: pageable pieces straight from the mapped file
+            self.layout.fill(dst, self.sources[i])
+
+    # -- device side -----------------------------------------------------------------------
+
+    @property
+    def n_resident(self) -> int:
+        return len(self.resident)
+
+    @property
+    def n_streamed(self) -> int:
+        return self.n_layers - self.n_resident
+
+    @property
+    def device_bytes(self) -> int:
+        return (self.n_resident + len(self.slots)) * self.layout.nbytes
+
+    def _empty(self):
+        return torch.empty(self.layout.numel, dtype=self.layout.dtype, device=self.device)
+
+    def configure(self, n_resident: int, n_slots: int):
+        """Make layers [0, n_resident) resident with ``n_slots`` slots for the rest.
+        Frees before it allocates, so a shrinking split never needs extra memory."""
+        n_resident = max(0, min(n_resident, self.n_layers))
+        n_slots = 0 if n_resident == self.n_layers else max(1, min(n_slots, self.n_layers - n_resident))
+        self.synchronize()
+        for i in [i for i in self.resident if i >= n_resident]:
+            del self.resident[i]
+        del self.slots[n_slots:]
+        del self._ready[n_slots:], self._free[n_slots:]
+        while len(self.slots) < n_slots:
+            self.slots.append(self._empty())
+            if self.cuda:
+                self._ready.append(torch.cuda.Event())
+                self._free.append(torch.cuda.Event())
+        for i in range(n_resident):
+            if i not in self.resident:
+                buf = self._empty()
+                self._upload(i, buf)
+                self.resident[i] = buf
+        self.synchronize()
+
+    def evict_one(self) -> bool:
+        """Give back one layer's worth of device memory; False when nothing is left to evict."""
+        if not self.resident:
+            return False
+        if not self.slots:  # the first streamed layer needs slots: evict enough to pay for two
+            r = max(0, self.n_resident - 3)
+            self.configure(r, 2 if self.n_resident - r >= 2 else 1)
+        else:
+            self.configure(self.n_resident - 1, len(self.slots))
+        return True
+
+    def release(self):
+        """Drop every device buffer and host master (pinned memory goes back to the OS)."""
+        self.synchronize()
+        self.resident.clear()
+        self.slots.clear()
+        self._ready.clear(), self._free.clear()
+        self.host = [None] * self.n_layers
+        self.pool.release_all()
+
+    def synchronize(self):
+        if self.cuda:
+            self.copy_stream.synchronize()
+            torch.cuda.current_stream(self.device).synchronize()
+
+    # -- running ---------------------------------------------------------------------------
+
+    def _prefetch(self, i, k):
+        self.uploads += 1
+        if not self.cuda:
+            return self._upload(i, self.slots[k])
+        with torch.cuda.stream(self.copy_stream):
+            self.copy_stream.wait_event(self._free[k])
+            if self.profile:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record(self.copy_stream)
+            self._upload(i, self.slots[k])
+            if self.profile:
+                end.record(self.copy_stream)
+                self.copy_events.append((start, end))
+            self._ready[k].record(self.copy_stream)
+
+    def run_layers(self, x, layer_fn):
+        """x -> layer_fn(i, x, BigWeights) for every main layer, streaming the suffix."""
+        r, k = self.n_resident, len(self.slots)
+        streamed = range(r, self.n_layers)
+        for j in range(min(k, len(streamed))):  # uploads that overlap the resident layers
+            self._prefetch(streamed[j], j)
+        for i in range(r):
+            x = layer_fn(i, x, self.layout.views(self.resident[i]))
+        compute = torch.cuda.current_stream(self.device) if self.cuda else None
+        for j, i in enumerate(streamed):
+            s = j % k
+            if self.cuda:
+                compute.wait_event(self._ready[s])
+            x = layer_fn(i, x, self.layout.views(self.slots[s]))
+            if self.cuda:
+                self._free[s].record(compute)
+            if j + k < len(streamed):
+                self._prefetch(streamed[j + k], s)
+        return x

@@ -1,0 +1,226 @@
+"""A loaded Z-Image transformer: the DiT, its layer streamer and the current plan.
+
+``ZImageTransformer.load(path, device)`` reads any supported checkpoint, places the fixed
+part on the device, packs the main layers into host masters, and is then called exactly
+like ComfyUI's ``NextDiT``. ``prepare(width, height)`` picks the split for the free memory
+(promoting layers when memory came back, evicting when it went), and an out-of-memory error
+during a forward evicts one more layer and runs the forward again.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from . import planner
+from .checkpoint import Checkpoint
+from .config import ZImageConfig
+from .errors import OutOfDeviceMemory, ZImageError
+from .host_memory import HostPool
+from .model import ZImageDiT
+from .streamer import LayerStreamer, PackLayout
+
+log = logging.getLogger("zimage")
+
+COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+STORAGE_DTYPES = dict(COMPUTE_DTYPES, fp8_e4m3fn=torch.float8_e4m3fn)
+
+
+def _layer_pieces(ckpt: Checkpoint, prefix: str) -> dict:
+    names = {"qkv": "attention.qkv", "out": "attention.out", "w1": "feed_forward.w1",
+             "w3": "feed_forward.w3", "w2": "feed_forward.w2"}
+    return {n: ckpt.pieces(f"{prefix}{k}.weight") for n, k in names.items()}
+
+
+class ZImageTransformer(torch.nn.Module):
+    def __init__(self, model: ZImageDiT, streamer: LayerStreamer, ckpt: Checkpoint):
+        super().__init__()
+        self.model, self.streamer, self.ckpt = model, streamer, ckpt
+        self.cfg: ZImageConfig = model.cfg
+        self.dtype = model.dtype
+        self.device = streamer.device
+        self.plan: planner.Plan | None = None
+        self.memory_limit: int | None = None  # an injected device budget (tests, simulations)
+        self.on_split_change = None           # callback(str) for the one-line status
+        self._ratio = {}                      # tokens -> measured compute/copy time ratio
+        model.runner = streamer
+
+    @classmethod
+    def load(cls, path, device="cuda", dtype="bf16", weight_dtype=None, pinned_cap=None):
+        if dtype not in COMPUTE_DTYPES:
+            raise ZImageError(f"compute dtype {dtype!r} is not supported; use one of {', '.join(COMPUTE_DTYPES)}.")
+        if weight_dtype not in (None, "default", *STORAGE_DTYPES):
+            raise ZImageError(f"weight dtype {weight_dtype!r} is not supported; use one of "
+                              f"default, {', '.join(STORAGE_DTYPES)}.")
+        compute = COMPUTE_DTYPES[dtype]
+        ckpt = Checkpoint(path)
+        pool = None
+        try:
+            if weight_dtype in (None, "default"):
+                storage = ckpt.storage_dtype if ckpt.storage_dtype == torch.float8_e4m3fn else compute
+            else:
+                storage = STORAGE_DTYPES[weight_dtype]
+            cfg = ckpt.config
+            with torch.device("meta"):
+                model = ZImageDiT(cfg, compute)
+            dev = torch.device(device)
+            state = {name: ckpt.tensor(name).to(device=dev, dtype=compute) for name, _ in model.named_parameters()}
+            model.load_state_dict(state, assign=True)
+            layout = PackLayout(cfg, storage)
+            for stem in ("noise_refiner", "context_refiner"):
+                for i in range(cfg.n_refiner_layers):
+                    flat = torch.empty(layout.numel, dtype=storage, device=dev)
+                    layout.fill(flat, _layer_pieces(ckpt, f"{stem}.{i}."))
+                    model.refiner_weights[f"{stem}.{i}"] = layout.views(flat)
+            pool = HostPool(pinned_cap if pinned_cap is not None else HostPool.environment_cap(),
+                            pin=dev.type == "cuda")
+            streamer = LayerStreamer(layout, [_layer_pieces(ckpt, f"layers.{i}.") for i in range(cfg.n_layers)],
+                                     dev, pool)
+            streamer.pin_trailing()
+            if streamer.pinned_layers < cfg.n_layers:
+                log.warning("Z-Image: %d of %d layers fit under the pinned-memory cap of %.1f GiB; the rest "
+                            "upload from the memory-mapped file (slower when they stream).",
+                            streamer.pinned_layers, cfg.n_layers, pool.cap / planner.GiB)
+        except torch.OutOfMemoryError:
+            if pool is not None:
+                pool.release_all()
+            ckpt.close()
+            raise OutOfDeviceMemory(f"{ckpt.path}: the fixed part of the transformer (refiners, embedders, "
+                                    "norms) does not fit on the GPU. Free GPU memory (close other programs) "
+                                    "and try again.") from None
+        except BaseException:
+            if pool is not None:
+                pool.release_all()
+            ckpt.close()
+            raise
+        return cls(model, streamer, ckpt)
+
+    # -- memory ------------------------------------------------------------------------------
+
+    @property
+    def storage_dtype(self):
+        return self.streamer.layout.dtype
+
+    def free_bytes(self) -> int:
+        """Device memory this model could use: what is free plus its own layers and slots."""
+        if self.memory_limit is not None:
+            return self.memory_limit
+        if self.device.type != "cuda":
+            return 1 << 62
+        free, _ = torch.cuda.mem_get_info(self.device)
+        return free + torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device) \
+            + self.streamer.device_bytes
+
+    def make_plan(self, width, height, batch=1, free_bytes=None) -> planner.Plan:
+        tokens = self.cfg.image_tokens(width, height) * batch
+        if tokens not in self._ratio and self.device.type == "cuda":
+            self._ratio[tokens] = self._measure_ratio(tokens)
+        return planner.plan(self.cfg, self.free_bytes() if free_bytes is None else free_bytes, width, height,
+                            batch, storage=self.storage_dtype, dtype=self.dtype,
+                            compute_copy_ratio=self._ratio.get(tokens), pinned_cap=self.streamer.pool.cap)
+
+    def prepare(self, width, height, batch=1, resident_layers=None, free_bytes=None) -> planner.Plan:
+        """Set the split for an image of this size: planned, or forced to ``resident_layers``."""
+        p = self.make_plan(width, height, batch, free_bytes)
+        if resident_layers is not None:
+            r = max(0, min(resident_layers, self.cfg.n_layers))
+            p.resident_layers, p.streamed_layers = r, self.cfg.n_layers - r
+            p.slots = 0 if r == self.cfg.n_layers else max(p.slots, 2)
+        elif not p.fits:
+            raise OutOfDeviceMemory(p.summary() + ". Lower the image size or free GPU memory.")
+        self.plan = p
+        self._set_split(p.resident_layers, p.slots)
+        return p
+
+    def _set_split(self, resident, slots):
+        before = (self.streamer.n_resident, len(self.streamer.slots))
+        while True:
+            try:
+                self.streamer.configure(resident, slots)
+                break
+            except torch.OutOfMemoryError:  # the estimate was optimistic: one layer fewer
+                if resident == 0:
+                    raise
+                resident -= 1
+                slots = max(slots, 2)
+        if (self.streamer.n_resident, len(self.streamer.slots)) != before:
+            self._announce()
+
+    def _announce(self):
+        n, r = self.cfg.n_layers, self.streamer.n_resident
+        size = f" ({self.plan.width}x{self.plan.height})" if self.plan else ""
+        msg = f"Z-Image: {r} of {n} layers on the GPU, {n - r} streamed{size}"
+        log.info(msg)
+        if self.on_split_change:
+            self.on_split_change(msg)
+
+    def evict(self, nbytes: int) -> int:
+        """Free at least ``nbytes`` of device memory by evicting trailing layers; returns bytes freed."""
+        start = self.streamer.device_bytes
+        while start - self.streamer.device_bytes < nbytes and self.streamer.evict_one():
+            pass
+        freed = start - self.streamer.device_bytes
+        if freed:
+            self._announce()
+        return freed
+
+    def release(self):
+        """Give back the device layers and every pinned host buffer."""
+        self.streamer.release()
+
+    def _measure_ratio(self, tokens) -> float:
+        """Compute time of one layer over upload time of one layer, timed on this device."""
+        cfg = self.cfg
+        dev = self.device
+        x = torch.randn(tokens + 512, cfg.dim, device=dev, dtype=self.dtype)
+        w = torch.randn(cfg.ffn_dim, cfg.dim, device=dev, dtype=self.dtype)
+        host = next((h for h in self.streamer.host if h is not None), None)
+        if host is None:
+            return None
+        dst = torch.empty_like(host, device=dev)
+        ev = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
+        for _ in range(2):
+            torch.nn.functional.linear(x, w)
+            ev[0].record()
+            for _ in range(5):
+                torch.nn.functional.linear(x, w)
+            ev[1].record()
+            ev[2].record()
+            dst.copy_(host, non_blocking=True)
+            ev[3].record()
+            torch.cuda.synchronize(dev)
+        flops_mm = 2 * x.shape[0] * cfg.dim * cfg.ffn_dim
+        rate = 5 * flops_mm / ev[0].elapsed_time(ev[1])
+        n = x.shape[0]
+        layer_flops = 2 * n * cfg.big_layer_params() + 4 * n * n * cfg.dim
+        compute_ms = layer_flops / rate * 1.1  # norms, rotary and attention run below matmul rate
+        return compute_ms / ev[2].elapsed_time(ev[3])
+
+    # -- running -----------------------------------------------------------------------------
+
+    def forward(self, x, timesteps, context, num_tokens=None, attention_mask=None, transformer_options={}, **kw):
+        if self.plan is None or (self.plan.width, self.plan.height, self.plan.batch) != (
+                x.shape[-1] * 8, x.shape[-2] * 8, x.shape[0]):
+            self.prepare(x.shape[-1] * 8, x.shape[-2] * 8, x.shape[0])
+        while True:
+            try:
+                self._check_budget(x)
+                return self.model(x, timesteps, context, num_tokens, attention_mask, transformer_options, **kw)
+            except torch.OutOfMemoryError:
+                if not self.streamer.evict_one():
+                    raise OutOfDeviceMemory(
+                        f"Out of GPU memory at {x.shape[-1] * 8}x{x.shape[-2] * 8} even with every layer "
+                        "streamed. Lower the image size or batch, or free GPU memory.") from None
+                if self.device.type == "cuda":
+                    torch.cuda.empty_cache()
+                log.warning("Z-Image: out of memory during a step; evicted a layer and retrying.")
+                self._announce()
+
+    def _check_budget(self, x):
+        if self.memory_limit is None:
+            return
+        need = self.cfg.fixed_params() * self.dtype.itemsize + self.streamer.device_bytes + planner.activation_bytes(
+            self.cfg, x.shape[-1] * 8, x.shape[-2] * 8, x.shape[0], dtype=self.dtype, storage=self.storage_dtype)
+        if need > self.memory_limit:
+            raise torch.OutOfMemoryError(f"injected budget: {need} > {self.memory_limit}")
