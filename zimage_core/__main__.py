@@ -51,13 +51,21 @@ def _random(a):
 
 def _bench(a):
     from . import bench
-    r = bench.run(a.weights, a.width, a.height, a.steps, a.seed, a.resident_layers, a.device, a.resident)
-    if a.json:
-        print(json.dumps(r))
-        return
+    splits = [int(v) for v in a.resident_layers.split(",")] if a.resident_layers else [None]
+    results = bench.run(a.weights, a.width, a.height, a.steps, a.seed, splits, a.device, a.resident,
+                        card_gib=a.simulate_card_gib)
+    for r in results:
+        if a.json:
+            print(json.dumps(r))
+        else:
+            _print_bench(r)
+
+
+def _print_bench(r):
     ms = lambda s: f"{s * 1e3:.1f} ms"
     gbs = lambda b: f"{b / 1e9:.1f} GB/s" if b else "n/a"
-    print(f"{r['device']}  {r['width']}x{r['height']}  {r['steps']} steps")
+    card = f"  card {r['card_gib']} GiB free" if r["card_gib"] else ""
+    print(f"{r['device']}{card}  {r['width']}x{r['height']}  {r['steps']} steps")
     print(f"  resident layers     {r['resident_layers']} ({r['streamed_layers']} streamed, {r['slots']} slots)")
     print(f"  median step         {ms(r['median_step_s'])} (first {ms(r['first_step_s'])})")
     print(f"  compute alone       {ms(r['compute_step_s'])}")
@@ -66,7 +74,13 @@ def _bench(a):
     print(f"  bound               {ms(r['bound_s'])}  ratio {r['ratio_to_bound']:.3f}")
     if "resident_median_step_s" in r:
         print(f"  resident step       {ms(r['resident_median_step_s'])}  ratio {r['ratio_to_resident']:.3f}")
+    if "measured_activation_bytes" in r:
+        print(f"  activations         {r['measured_activation_bytes'] / GiB:.2f} GiB measured, "
+              f"{r['planned_activation_bytes'] / GiB:.2f} GiB planned")
     print(f"  output_sha256       {r['output_sha256']}")
+    if "resident_output_sha256" in r:
+        same = "identical" if r["resident_output_sha256"] == r["output_sha256"] else "DIFFERENT"
+        print(f"  resident sha256     {r['resident_output_sha256']} ({same})")
 
 
 def main(argv=None):
@@ -93,7 +107,9 @@ def main(argv=None):
     b.add_argument("--height", type=int, default=1024)
     b.add_argument("--steps", type=int, default=8)
     b.add_argument("--seed", type=int, default=0)
-    b.add_argument("--resident-layers", type=int)
+    b.add_argument("--resident-layers", help="force the split; a comma list runs several in one process")
+    b.add_argument("--simulate-card-gib", type=float,
+                   help="hold the rest of the GPU in another process so only this much stays free")
     b.add_argument("--resident", action="store_true", help="also run everything resident, same process")
     b.add_argument("--device")
     b.add_argument("--json", action="store_true")

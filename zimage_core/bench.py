@@ -7,8 +7,11 @@ uploads alone.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import statistics
+import subprocess
+import sys
 import time
 
 import torch
@@ -57,14 +60,45 @@ def pinned_bandwidth(model, repeats=5) -> float | None:
     return host.numel() * host.element_size() / statistics.median(times)
 
 
-def run(weights, width, height, steps=8, seed=0, resident_layers=None, device=None, resident=False,
-        cap_tokens=64, dtype="bf16"):
-    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    model = ZImageTransformer.load(weights, device=dev, dtype=dtype)
+_HOLDER = """
+import sys, torch
+free, _ = torch.cuda.mem_get_info()
+hold = torch.empty(max(0, int(free - float(sys.argv[1]) * 2**30)), dtype=torch.uint8, device="cuda")
+print(f"{torch.cuda.mem_get_info()[0] / 2**30:.2f}", flush=True)
+sys.stdin.read()
+"""
+
+
+@contextlib.contextmanager
+def simulated_card(leave_gib):
+    """Another process holds all GPU memory but ``leave_gib``, as a smaller card would show."""
+    if leave_gib is None:
+        yield None
+        return
+    p = subprocess.Popen([sys.executable, "-c", _HOLDER, str(leave_gib)], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, text=True)
     try:
-        return _run(model, dev, width, height, steps, seed, resident_layers, resident, cap_tokens)
+        free = float(p.stdout.readline())
+        yield free
     finally:
-        model.release()
+        p.stdin.close()
+        p.wait(timeout=60)
+
+
+def run(weights, width, height, steps=8, seed=0, splits=(None,), device=None, resident=False,
+        cap_tokens=64, dtype="bf16", card_gib=None):
+    """One result per split (None: planned); the model is loaded once."""
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    with simulated_card(card_gib):
+        model = ZImageTransformer.load(weights, device=dev, dtype=dtype)
+        try:
+            results = [_run(model, dev, width, height, steps, seed, r, resident and i == 0, cap_tokens)
+                       for i, r in enumerate(splits)]
+        finally:
+            model.release()
+    for r in results:
+        r["card_gib"] = card_gib
+    return results
 
 
 def _run(model, dev, width, height, steps, seed, resident_layers, resident, cap_tokens):
@@ -75,6 +109,10 @@ def _run(model, dev, width, height, steps, seed, resident_layers, resident, cap_
     plan = model.prepare(width, height, resident_layers=resident_layers)
     s = model.streamer
     euler_sample(model, noise, ctx, steps=1)  # warm-up: kernels, allocator, first uploads
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+        held = torch.cuda.memory_allocated(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
     s.uploads = 0
     s.profile, s.copy_events = True, []
     out, times = _timed_steps(model, noise, ctx, steps)
@@ -105,7 +143,7 @@ def _run(model, dev, width, height, steps, seed, resident_layers, resident, cap_
         "output_sha256": hashlib.sha256(out.cpu().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest(),
     }
     if dev.type == "cuda":
-        result["peak_allocated_bytes"] = torch.cuda.max_memory_allocated(dev)
+        result["measured_activation_bytes"] = torch.cuda.max_memory_allocated(dev) - held
     if resident:
         model.prepare(width, height, resident_layers=cfg.n_layers)
         euler_sample(model, noise, ctx, steps=1)

@@ -177,6 +177,7 @@ class ZImageDiT(nn.Module):
         # attention_mask is ignored, as ComfyUI v0.20 does for Z-Image: pad tokens are attended.
         cfg, p = self.cfg, self.cfg.patch_size
         dev = self.x_pad_token.device
+        self.runner.prefetch_first()
         bs, _, h, w = x.shape
         x = x.to(device=dev, dtype=self.dtype)
         x = F.pad(x, (0, (-w) % p, 0, (-h) % p), mode="circular")

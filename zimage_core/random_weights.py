@@ -21,7 +21,7 @@ _NAMES = {v: k for k, v in DTYPES.items()}
 def random_tensor(key, shape, gen, device="cpu"):
     if key.endswith("norm1.weight") or key.endswith("norm2.weight") or "_norm." in key or key == "cap_embedder.0.weight":
         return torch.ones(shape)
-    return torch.randn(shape, generator=gen, device=device, dtype=torch.float32).mul_(0.02).cpu()
+    return torch.randn(shape, generator=gen, device=device, dtype=torch.float32).mul_(0.02)
 
 
 def to_layout(key, layout):
@@ -57,7 +57,7 @@ def write_safetensors(path, tensors):
         f.write(struct.pack("<Q", len(blob)))
         f.write(blob)
         for key, shape, dtype, make in tensors:
-            t = make().to(dtype).contiguous()
+            t = make().to(dtype).contiguous().cpu()
             f.write(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     os.replace(tmp, path)
 

@@ -67,6 +67,7 @@ class LayerStreamer:
         self.profile = False
         self.copy_events = []                  # (start, end) per upload while profiling
         self.uploads = 0                       # streamed uploads since the last reset
+        self._primed = False                   # first uploads of this forward already issued
 
     # -- host side -------------------------------------------------------------------------
 
@@ -112,6 +113,7 @@ class LayerStreamer:
     def configure(self, n_resident: int, n_slots: int):
         """Make layers [0, n_resident) resident with ``n_slots`` slots for the rest.
         Frees before it allocates, so a shrinking split never needs extra memory."""
+        self._primed = False
         n_resident = max(0, min(n_resident, self.n_layers))
         n_slots = 0 if n_resident == self.n_layers else max(1, min(n_slots, self.n_layers - n_resident))
         self.synchronize()
@@ -173,12 +175,21 @@ class LayerStreamer:
                 self.copy_events.append((start, end))
             self._ready[k].record(self.copy_stream)
 
+    def prefetch_first(self):
+        """Start the uploads of the first streamed layers, to overlap whatever computes before
+        the main layers (refiners, resident layers)."""
+        r, k = self.n_resident, len(self.slots)
+        for j in range(min(k, self.n_layers - r)):
+            self._prefetch(r + j, j)
+        self._primed = True
+
     def run_layers(self, x, layer_fn):
         """x -> layer_fn(i, x, BigWeights) for every main layer, streaming the suffix."""
+        if not self._primed:
+            self.prefetch_first()
+        self._primed = False
         r, k = self.n_resident, len(self.slots)
         streamed = range(r, self.n_layers)
-        for j in range(min(k, len(streamed))):  # uploads that overlap the resident layers
-            self._prefetch(streamed[j], j)
         for i in range(r):
             x = layer_fn(i, x, self.layout.views(self.resident[i]))
         compute = torch.cuda.current_stream(self.device) if self.cuda else None

@@ -45,6 +45,8 @@ class ZImageTransformer(torch.nn.Module):
         self.on_split_change = None           # callback(str) for the one-line status
         self._ratio = {}                      # tokens -> measured compute/copy time ratio
         model.runner = streamer
+        self.fixed_bytes = sum(p.numel() * p.element_size() for p in model.parameters()) + sum(
+            w.numel() * w.element_size() for big in model.refiner_weights.values() for w in big)
 
     @classmethod
     def load(cls, path, device="cuda", dtype="bf16", weight_dtype=None, pinned_cap=None):
@@ -109,8 +111,8 @@ class ZImageTransformer(torch.nn.Module):
         if self.device.type != "cuda":
             return 1 << 62
         free, _ = torch.cuda.mem_get_info(self.device)
-        return free + torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device) \
-            + self.streamer.device_bytes
+        held = self.fixed_bytes + self.streamer.device_bytes
+        return free + torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device) + held
 
     def make_plan(self, width, height, batch=1, free_bytes=None) -> planner.Plan:
         tokens = self.cfg.image_tokens(width, height) * batch
