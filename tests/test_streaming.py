@@ -132,3 +132,9 @@ def test_fp8_storage_streams_and_matches_upcast_weights(tmp_path):
     up = ZImageTransformer.load(path, device="cpu", dtype="bf16", weight_dtype="bf16")
     up.prepare(64, 48, resident_layers=TINY.n_layers)
     assert torch.equal(up(x, t, ctx), ref)
+
+
+def test_forward_builds_no_autograd_graph(model):
+    x, t, ctx = inputs(TINY)
+    assert not any(p.requires_grad for p in model.parameters())
+    assert model(x.requires_grad_(), t, ctx).grad_fn is None

@@ -69,6 +69,7 @@ class ZImageTransformer(torch.nn.Module):
             dev = torch.device(device)
             state = {name: ckpt.tensor(name).to(device=dev, dtype=compute) for name, _ in model.named_parameters()}
             model.load_state_dict(state, assign=True)
+            model.requires_grad_(False)  # inference only: no autograd graph keeps activations alive
             layout = PackLayout(cfg, storage)
             for stem in ("noise_refiner", "context_refiner"):
                 for i in range(cfg.n_refiner_layers):
@@ -201,6 +202,7 @@ class ZImageTransformer(torch.nn.Module):
 
     # -- running -----------------------------------------------------------------------------
 
+    @torch.no_grad()
     def forward(self, x, timesteps, context, num_tokens=None, attention_mask=None, transformer_options={}, **kw):
         if self.plan is None or (self.plan.width, self.plan.height, self.plan.batch) != (
                 x.shape[-1] * 8, x.shape[-2] * 8, x.shape[0]):
