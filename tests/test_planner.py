@@ -53,7 +53,10 @@ def test_more_slots_when_copies_are_slow_relative_to_compute():
     slow = plan(FULL, int(11.5 * GiB), 1024, 1024, compute_copy_ratio=0.4)
     assert fast.slots == 2 and slow.slots > 2
     # the simulated schedule: copies hidden behind compute when compute is slower
-    assert simulate_step(20, 10, 2, 3.0, 1.0) == pytest.approx(30 * 3.0 + 0, abs=1.0)
+    assert simulate_step(20, 10, 2, 3.0, 1.0) == pytest.approx(30 * 3.0, abs=1e-6)
+    # copy-bound: one upload per streamed layer, back to back, plus what the slots cannot hide
+    assert simulate_step(0, 10, 2, 0.1, 1.0) == pytest.approx(10.0, abs=0.2)
+    assert simulate_step(5, 10, 2, 0.5, 1.0, fixed=1.0) > simulate_step(5, 10, 4, 0.5, 1.0, fixed=1.0)
 
 
 def _cli(*args):

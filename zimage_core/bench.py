@@ -21,8 +21,10 @@ from .transformer import ZImageTransformer
 
 
 def _sync(dev):
+    """Wait for the compute stream only, as a sampler reading its latents does: uploads queued
+    for the next step keep running."""
     if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
+        torch.cuda.current_stream(dev).synchronize()
 
 
 def _timed_steps(model, noise, ctx, steps):
@@ -57,6 +59,7 @@ def pinned_bandwidth(model, repeats=5) -> float | None:
             b.record(s.copy_stream)
         b.synchronize()
         times.append(a.elapsed_time(b) / 1e3)
+    s._primed = False  # slot 0 no longer holds the next step's first layer
     return host.numel() * host.element_size() / statistics.median(times)
 
 
@@ -117,7 +120,7 @@ def _run(model, dev, width, height, steps, seed, resident_layers, resident, cap_
     s.profile, s.copy_events = True, []
     out, times = _timed_steps(model, noise, ctx, steps)
     s.profile = False
-    _sync(dev)
+    s.synchronize()
     copy_s = sum(a.elapsed_time(b) for a, b in s.copy_events) / 1e3
     streamed_bytes = s.uploads * s.layout.nbytes / steps
     bw = pinned_bandwidth(model)

@@ -56,26 +56,39 @@ def _gib(b):
 
 def activation_bytes(cfg: ZImageConfig, width, height, batch=1, cap_tokens=512,
                      dtype=torch.bfloat16, storage=torch.bfloat16) -> int:
-    """Peak activation memory of one forward: the FFN of a block over the joint sequence is
-    the high point (input, normed input, w1 and w3 outputs, their product, the residual);
-    the fp32 rotary tables and an upcast copy of the largest weight for narrow storage come on top."""
+    """Peak activation memory of one forward, per token of the joint sequence: seven
+    model-wide tensors (residual, normed and modulated input, q, k, v and their contiguous
+    copies for the attention kernel) and three FFN-wide ones (w1 and w3 outputs, their
+    product), plus the fp32 rotary tables; an upcast copy of the largest weight for narrow
+    storage comes on top. Measured on an H200: 118 KB per token, as this formula gives."""
     tokens = cfg.image_tokens(width, height) + cap_tokens + (-cap_tokens) % cfg.pad_multiple
     e = dtype.itemsize
-    per_token = (4 * cfg.dim + 3 * cfg.ffn_dim) * e + cfg.head_dim * 2 * 4 * 2
+    per_token = (7 * cfg.dim + 3 * cfg.ffn_dim) * e + cfg.head_dim * 2 * 4 * 2
     upcast = cfg.ffn_dim * cfg.dim * e if storage.itemsize < e else 0
     return batch * tokens * per_token + upcast + 64 * MiB
 
 
-def simulate_step(resident, streamed, slots, compute, copy) -> float:
-    """Time of the main layers in one step: compute per layer, copy per streamed layer."""
-    copy_end, comp_end = 0.0, resident * compute
-    slot_free = [0.0] * max(slots, 1)
-    for j in range(streamed):
-        s = j % len(slot_free)
-        copy_end = max(copy_end, slot_free[s]) + copy
-        comp_end = max(comp_end, copy_end) + compute
-        slot_free[s] = comp_end
-    return comp_end
+def simulate_step(resident, streamed, slots, compute, copy, fixed=0.0, steps=3) -> float:
+    """Steady-state time of one step. Per step the GPU computes ``fixed`` (embedders, refiners,
+    final layer: no streamed weights) and the resident layers, then the streamed ones, each
+    waiting for its upload; uploads run in order on one copy stream, each into the slot its
+    previous user has finished with, and run on into the next step."""
+    k = max(slots, 1)
+    ready, slot_free, copy_end, t = [0.0] * k, [0.0] * k, 0.0, 0.0
+    for s in range(min(k, streamed)):
+        copy_end += copy
+        ready[s] = copy_end
+    step = 0.0
+    for _ in range(steps):
+        start = t
+        t += fixed + resident * compute
+        for j in range(streamed):
+            s = j % k
+            t = max(t, ready[s]) + compute
+            copy_end = max(copy_end, t) + copy
+            ready[s] = copy_end
+        step = t - start
+    return step
 
 
 def plan(cfg: ZImageConfig, free_bytes: int, width: int, height: int, batch: int = 1,
@@ -94,7 +107,10 @@ def plan(cfg: ZImageConfig, free_bytes: int, width: int, height: int, batch: int
         if compute_copy_ratio is None:
             r, k = max(m - 2, 0), min(2, max(m, 1))
         else:
-            r, k = min(options, key=lambda o: (simulate_step(o[0], n - o[0], o[1], compute_copy_ratio, 1.0), -o[0]))
+            img = cfg.image_tokens(width, height)
+            fixed = cfg.n_refiner_layers * img / (img + 512) + 0.25  # refiners, final layer, sampler
+            r, k = min(options, key=lambda o: (
+                round(simulate_step(o[0], n - o[0], o[1], compute_copy_ratio, 1.0, fixed), 3), -o[0]))
         k = min(k, n - r)
     fits = room >= layer or (room >= 0 and n == 0)
     streamed = n - r

@@ -176,8 +176,11 @@ class LayerStreamer:
             self._ready[k].record(self.copy_stream)
 
     def prefetch_first(self):
-        """Start the uploads of the first streamed layers, to overlap whatever computes before
-        the main layers (refiners, resident layers)."""
+        """Start the uploads of the first streamed layers, unless the previous forward already
+        did: the ring runs on across steps, so these uploads overlap the end of the last step
+        (final layer, sampler) and the start of this one (embedders, refiners, resident layers)."""
+        if self._primed:
+            return
         r, k = self.n_resident, len(self.slots)
         for j in range(min(k, self.n_layers - r)):
             self._prefetch(r + j, j)
@@ -185,14 +188,12 @@ class LayerStreamer:
 
     def run_layers(self, x, layer_fn):
         """x -> layer_fn(i, x, BigWeights) for every main layer, streaming the suffix."""
-        if not self._primed:
-            self.prefetch_first()
-        self._primed = False
+        self.prefetch_first()
         r, k = self.n_resident, len(self.slots)
         streamed = range(r, self.n_layers)
+        compute = torch.cuda.current_stream(self.device) if self.cuda else None
         for i in range(r):
             x = layer_fn(i, x, self.layout.views(self.resident[i]))
-        compute = torch.cuda.current_stream(self.device) if self.cuda else None
         for j, i in enumerate(streamed):
             s = j % k
             if self.cuda:
@@ -200,6 +201,7 @@ class LayerStreamer:
             x = layer_fn(i, x, self.layout.views(self.slots[s]))
             if self.cuda:
                 self._free[s].record(compute)
-            if j + k < len(streamed):
-                self._prefetch(streamed[j + k], s)
+            # refill the slot with the layer k places on; past the end, with the layer that
+            # uses this slot first in the next step
+            self._prefetch(streamed[j + k] if j + k < len(streamed) else streamed[s], s)
         return x
