@@ -42,6 +42,17 @@ def default_cap() -> int:
     return avail // 2
 
 
+def _host_register(buf) -> bool:
+    """Page-lock an ordinary allocation. Unlike ``pin_memory=True`` (PyTorch's caching host
+    allocator keeps freed pinned blocks for reuse), registered pages go back to the OS as soon
+    as they are unregistered and the tensor is freed."""
+    return torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), buf.numel() * buf.element_size(), 0) == 0
+
+
+def _host_unregister(buf):
+    torch.cuda.cudart().cudaHostUnregister(buf.data_ptr())
+
+
 class HostPool:
     def __init__(self, cap_bytes: int | None = None, pin: bool | None = None):
         self.cap = default_cap() if cap_bytes is None else int(cap_bytes)
@@ -56,24 +67,23 @@ class HostPool:
         if self.used + nbytes > self.cap:
             return None
         try:
-            buf = torch.empty(numel, dtype=dtype, pin_memory=self.pin)
-        except RuntimeError:  # cudaHostAlloc failed: the OS has no more lockable memory
+            buf = torch.empty(numel, dtype=dtype)
+        except RuntimeError:  # no host memory left
             return None
-        self._buffers[id(buf)] = nbytes
+        if self.pin and not _host_register(buf):  # the OS has no more lockable memory
+            return None
+        self._buffers[id(buf)] = (buf, nbytes)
         self.used += nbytes
         with _lock:
             _live += nbytes
         return buf
 
-    def release(self, buf: torch.Tensor):
-        global _live
-        nbytes = self._buffers.pop(id(buf), 0)
-        self.used -= nbytes
-        with _lock:
-            _live -= nbytes
-
     def release_all(self):
+        """Unlock every buffer; the memory itself goes when the last reference to it does."""
         global _live
+        for buf, _ in self._buffers.values():
+            if self.pin:
+                _host_unregister(buf)
         with _lock:
             _live -= self.used
         self._buffers.clear()

@@ -61,6 +61,13 @@ def apply_rope(x, freqs):
     return out.reshape(*x.shape).type_as(x)
 
 
+def sdpa_attention(q, k, v, heads):
+    """[B, H, L, D] q, k, v -> [B, L, H*D]. ComfyUI's ``optimized_attention`` has this signature,
+    so inside ComfyUI the same attention kernel as its native Z-Image can be used."""
+    b, _, n, d = q.shape
+    return F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, n, heads * d)
+
+
 def timestep_embedding(t, dim, max_period=10000):
     half = dim // 2
     freqs = torch.exp(-math.log(max_period) * torch.arange(0, half, dtype=torch.float32, device=t.device) / half)
@@ -106,6 +113,7 @@ class Block(nn.Module):
         for name in ("attention_norm1", "attention_norm2", "ffn_norm1", "ffn_norm2"):
             setattr(self, name, RMSNorm(cfg.dim, cfg.norm_eps))
         self.modulated = modulated
+        self.attention_fn = sdpa_attention
         if modulated:
             self.adaLN_modulation = nn.Sequential(Linear(cfg.t_dim, 4 * cfg.dim))
 
@@ -116,8 +124,8 @@ class Block(nn.Module):
         k = self.attention.k_norm(k.view(b, n, self.n_heads, self.head_dim))
         v = v.view(b, n, self.n_heads, self.head_dim)
         q, k = apply_rope(q, freqs), apply_rope(k, freqs)
-        o = F.scaled_dot_product_attention(q.movedim(1, 2), k.movedim(1, 2), v.movedim(1, 2))
-        return linear(o.transpose(1, 2).reshape(b, n, -1), w.out)
+        o = self.attention_fn(q.movedim(1, 2), k.movedim(1, 2), v.movedim(1, 2), self.n_heads)
+        return linear(o, w.out)
 
     def ffn(self, x, w: BigWeights):
         return linear(clamp_fp16(F.silu(linear(x, w.w1)) * linear(x, w.w3)), w.w2)
@@ -154,9 +162,9 @@ class _FinalLayer(nn.Module):
 
 
 class ZImageDiT(nn.Module):
-    """Small parameters live here; the big block matrices come from ``big_weights``:
-    refiners from ``self.refiner_weights`` (always resident), main layers from a runner
-    (``run_layers(x, layer_fn)``) that owns residency and streaming."""
+    """Small parameters live here. The big block matrices of the refiners are packed buffers
+    registered here (always resident, moved with the module); those of the main layers come
+    from a runner (``run_layers(x, layer_fn)``) that owns residency and streaming."""
 
     def __init__(self, cfg: ZImageConfig, dtype=torch.bfloat16):
         super().__init__()
@@ -170,8 +178,19 @@ class ZImageDiT(nn.Module):
         self.final_layer = _FinalLayer(cfg)
         self.x_pad_token = nn.Parameter(torch.empty(1, cfg.dim))
         self.cap_pad_token = nn.Parameter(torch.empty(1, cfg.dim))
-        self.refiner_weights: dict[str, BigWeights] = {}
         self.runner = None
+        self.layout = None  # PackLayout of the refiner buffers, set by the loader
+
+    def add_refiner(self, name, flat):
+        self.register_buffer(name.replace(".", "_"), flat, persistent=False)
+
+    def refiner(self, name) -> BigWeights:
+        return self.layout.views(getattr(self, name.replace(".", "_")))
+
+    def set_attention(self, fn):
+        for block in self.modules():
+            if isinstance(block, Block):
+                block.attention_fn = fn
 
     def forward(self, x, timesteps, context, num_tokens=None, attention_mask=None, transformer_options={}, **kwargs):
         # attention_mask is ignored, as ComfyUI v0.20 does for Z-Image: pad tokens are attended.
@@ -204,9 +223,9 @@ class ZImageDiT(nn.Module):
         cap_freqs = rope_freqs(cap_ids, cfg.axes_dims, cfg.rope_theta)
         img_freqs = rope_freqs(img_ids, cfg.axes_dims, cfg.rope_theta)
         for i, layer in enumerate(self.context_refiner):
-            cap = layer(cap, cap_freqs, None, self.refiner_weights[f"context_refiner.{i}"])
+            cap = layer(cap, cap_freqs, None, self.refiner(f"context_refiner.{i}"))
         for i, layer in enumerate(self.noise_refiner):
-            img = layer(img, img_freqs, t, self.refiner_weights[f"noise_refiner.{i}"])
+            img = layer(img, img_freqs, t, self.refiner(f"noise_refiner.{i}"))
 
         xs = torch.cat((cap, img), dim=1)
         freqs = torch.cat((cap_freqs, img_freqs), dim=1)

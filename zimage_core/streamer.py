@@ -188,6 +188,13 @@ class LayerStreamer:
 
     def run_layers(self, x, layer_fn):
         """x -> layer_fn(i, x, BigWeights) for every main layer, streaming the suffix."""
+        try:
+            return self._run_layers(x, layer_fn)
+        except BaseException:  # interrupt or out of memory mid-step: the ring is not where it should be
+            self._primed = False
+            raise
+
+    def _run_layers(self, x, layer_fn):
         self.prefetch_first()
         r, k = self.n_resident, len(self.slots)
         streamed = range(r, self.n_layers)

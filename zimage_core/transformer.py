@@ -43,13 +43,16 @@ class ZImageTransformer(torch.nn.Module):
         self.plan: planner.Plan | None = None
         self.memory_limit: int | None = None  # an injected device budget (tests, simulations)
         self.on_split_change = None           # callback(str) for the one-line status
+        self.max_resident: int | None = None  # user's cap on resident layers (None: as many as fit)
+        self.leave_free = 0                   # bytes of device memory the plan leaves to others
         self._ratio = {}                      # tokens -> measured compute/copy time ratio
         model.runner = streamer
-        self.fixed_bytes = sum(p.numel() * p.element_size() for p in model.parameters()) + sum(
-            w.numel() * w.element_size() for big in model.refiner_weights.values() for w in big)
+        self.fixed_bytes = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
 
     @classmethod
-    def load(cls, path, device="cuda", dtype="bf16", weight_dtype=None, pinned_cap=None):
+    def load(cls, path, device="cuda", dtype="bf16", weight_dtype=None, pinned_cap=None, initial_device=None):
+        """``device`` computes; the fixed part starts on ``initial_device`` (default: ``device``),
+        e.g. the CPU for a model that ComfyUI moves to the GPU when it is used."""
         if dtype not in COMPUTE_DTYPES:
             raise ZImageError(f"compute dtype {dtype!r} is not supported; use one of {', '.join(COMPUTE_DTYPES)}.")
         if weight_dtype not in (None, "default", *STORAGE_DTYPES):
@@ -67,15 +70,17 @@ class ZImageTransformer(torch.nn.Module):
             with torch.device("meta"):
                 model = ZImageDiT(cfg, compute)
             dev = torch.device(device)
-            state = {name: ckpt.tensor(name).to(device=dev, dtype=compute) for name, _ in model.named_parameters()}
+            home = torch.device(initial_device) if initial_device is not None else dev
+            state = {name: ckpt.tensor(name).to(device=home, dtype=compute) for name, _ in model.named_parameters()}
             model.load_state_dict(state, assign=True)
             model.requires_grad_(False)  # inference only: no autograd graph keeps activations alive
             layout = PackLayout(cfg, storage)
+            model.layout = layout
             for stem in ("noise_refiner", "context_refiner"):
                 for i in range(cfg.n_refiner_layers):
-                    flat = torch.empty(layout.numel, dtype=storage, device=dev)
+                    flat = torch.empty(layout.numel, dtype=storage, device=home)
                     layout.fill(flat, _layer_pieces(ckpt, f"{stem}.{i}."))
-                    model.refiner_weights[f"{stem}.{i}"] = layout.views(flat)
+                    model.add_refiner(f"{stem}.{i}", flat)
             pool = HostPool(pinned_cap if pinned_cap is not None else HostPool.environment_cap(),
                             pin=dev.type == "cuda")
             streamer = LayerStreamer(layout, [_layer_pieces(ckpt, f"layers.{i}.") for i in range(cfg.n_layers)],
@@ -105,6 +110,32 @@ class ZImageTransformer(torch.nn.Module):
     def storage_dtype(self):
         return self.streamer.layout.dtype
 
+    @property
+    def on_device(self) -> bool:
+        return self.model.x_pad_token.device == self.device
+
+    @property
+    def total_bytes(self) -> int:
+        """Everything this model would hold on the device with every layer resident."""
+        return self.fixed_bytes + self.cfg.n_layers * self.streamer.layout.nbytes
+
+    def device_bytes(self) -> int:
+        """What this model holds on the device now."""
+        return (self.fixed_bytes if self.on_device else 0) + self.streamer.device_bytes
+
+    def to_device(self):
+        """Bring the fixed part (embedders, refiners, norms, adaLN) to the compute device."""
+        if not self.on_device:
+            self.model.to(self.device)
+
+    def offload(self, device="cpu"):
+        """Free every byte this model holds on the device; the host masters stay pinned."""
+        self.streamer.configure(0, 0)
+        if self.on_device and self.device != torch.device(device):
+            self.model.to(device)
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+
     def free_bytes(self) -> int:
         """Device memory this model could use: what is free plus its own layers and slots."""
         if self.memory_limit is not None:
@@ -112,16 +143,21 @@ class ZImageTransformer(torch.nn.Module):
         if self.device.type != "cuda":
             return 1 << 62
         free, _ = torch.cuda.mem_get_info(self.device)
-        held = self.fixed_bytes + self.streamer.device_bytes
+        held = self.device_bytes()
         return free + torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device) + held
 
     def make_plan(self, width, height, batch=1, free_bytes=None) -> planner.Plan:
         tokens = self.cfg.image_tokens(width, height) * batch
         if tokens not in self._ratio and self.device.type == "cuda":
             self._ratio[tokens] = self._measure_ratio(tokens)
-        return planner.plan(self.cfg, self.free_bytes() if free_bytes is None else free_bytes, width, height,
-                            batch, storage=self.storage_dtype, dtype=self.dtype,
-                            compute_copy_ratio=self._ratio.get(tokens), pinned_cap=self.streamer.pool.cap)
+        free = (self.free_bytes() if free_bytes is None else free_bytes) - self.leave_free
+        p = planner.plan(self.cfg, free, width, height, batch, storage=self.storage_dtype, dtype=self.dtype,
+                         compute_copy_ratio=self._ratio.get(tokens), pinned_cap=self.streamer.pool.cap)
+        if self.max_resident is not None and p.fits and p.resident_layers > self.max_resident:
+            p.resident_layers = self.max_resident
+            p.streamed_layers = self.cfg.n_layers - p.resident_layers
+            p.slots = max(p.slots, 2)
+        return p
 
     def prepare(self, width, height, batch=1, resident_layers=None, free_bytes=None) -> planner.Plan:
         """Set the split for an image of this size: planned, or forced to ``resident_layers``."""
@@ -159,17 +195,21 @@ class ZImageTransformer(torch.nn.Module):
             self.on_split_change(msg)
 
     def evict(self, nbytes: int) -> int:
-        """Free at least ``nbytes`` of device memory by evicting trailing layers; returns bytes freed."""
-        start = self.streamer.device_bytes
-        while start - self.streamer.device_bytes < nbytes and self.streamer.evict_one():
+        """Free at least ``nbytes`` of device memory: trailing layers first, then the slots, then
+        the fixed part. Nothing is copied back (the host masters exist). Returns bytes freed."""
+        start = self.device_bytes()
+        while start - self.device_bytes() < nbytes and self.streamer.evict_one():
             pass
-        freed = start - self.streamer.device_bytes
-        if freed:
+        if start - self.device_bytes() < nbytes:
+            self.offload()
+        freed = start - self.device_bytes()
+        if freed and self.streamer.n_resident + len(self.streamer.slots):
             self._announce()
         return freed
 
     def release(self):
-        """Give back the device layers and every pinned host buffer."""
+        """Give back the device memory and every pinned host buffer."""
+        self.offload()
         self.streamer.release()
 
     def _measure_ratio(self, tokens) -> float:
@@ -204,8 +244,9 @@ class ZImageTransformer(torch.nn.Module):
 
     @torch.no_grad()
     def forward(self, x, timesteps, context, num_tokens=None, attention_mask=None, transformer_options={}, **kw):
+        self.to_device()
         if self.plan is None or (self.plan.width, self.plan.height, self.plan.batch) != (
-                x.shape[-1] * 8, x.shape[-2] * 8, x.shape[0]):
+                x.shape[-1] * 8, x.shape[-2] * 8, x.shape[0]) or not (self.streamer.n_resident or self.streamer.slots):
             self.prepare(x.shape[-1] * 8, x.shape[-2] * 8, x.shape[0])
         while True:
             try:

@@ -1,0 +1,92 @@
+import comfy.model_sampling
+import comfy.sample
+import comfy.samplers
+import comfy.utils
+import latent_preview
+import torch
+from comfy_api.latest import io
+
+from .status import show
+
+MAX_SIDE = 4096
+
+
+class _FlowSampling(comfy.model_sampling.ModelSamplingDiscreteFlow, comfy.model_sampling.CONST):
+    """Flow matching with a static shift: what ModelSamplingAuraFlow installs."""
+
+
+def with_shift(model, shift):
+    m = model.clone()
+    sampling = _FlowSampling(model.model.model_config)
+    sampling.set_parameters(shift=shift, multiplier=1.0)
+    m.add_object_patch("model_sampling", sampling)
+    return m
+
+
+def zero_conditioning(conditioning):
+    """A negative with the positive's shapes and zeros (ConditioningZeroOut); with cfg 1 it is never run."""
+    out = []
+    for cond, extra in conditioning:
+        extra = extra.copy()
+        if extra.get("pooled_output") is not None:
+            extra["pooled_output"] = torch.zeros_like(extra["pooled_output"])
+        out.append([torch.zeros_like(cond), extra])
+    return out
+
+
+def check_side(name, value):
+    if value % 16 or not 16 <= value <= MAX_SIDE:
+        raise ValueError(f"{name} is {value}: Z-Image needs a multiple of 16 between 16 and {MAX_SIDE} "
+                         f"(the VAE downscales by 8 and the transformer patches by 2). Try {max(16, value // 16 * 16)}.")
+
+
+class ZImageSampler(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="ZImageSampler",
+            display_name="Z-Image Sampler",
+            category="Z-Image",
+            description="Text to image with Z-Image-Turbo defaults (8 steps, cfg 1, shift 3, res_multistep / "
+                        "simple). Plans how many layers stay on the GPU for the image size.",
+            inputs=[
+                io.Model.Input("model"),
+                io.Conditioning.Input("positive"),
+                io.Conditioning.Input("negative", optional=True,
+                                      tooltip="Only used with cfg above 1; zeros when left empty."),
+                io.Int.Input("width", default=1024, min=16, max=MAX_SIDE, step=16),
+                io.Int.Input("height", default=1024, min=16, max=MAX_SIDE, step=16),
+                io.Int.Input("batch_size", default=1, min=1, max=64),
+                io.Int.Input("seed", default=0, min=0, max=0xffffffffffffffff, control_after_generate=True),
+                io.Int.Input("steps", default=8, min=1, max=200),
+                io.Float.Input("cfg", default=1.0, min=0.0, max=100.0, step=0.1, round=0.01),
+                io.Float.Input("shift", default=3.0, min=0.0, max=100.0, step=0.01),
+                io.Combo.Input("sampler_name", options=comfy.samplers.KSampler.SAMPLERS, default="res_multistep"),
+                io.Combo.Input("scheduler", options=comfy.samplers.KSampler.SCHEDULERS, default="simple"),
+            ],
+            outputs=[io.Latent.Output()],
+            hidden=[io.Hidden.unique_id],
+        )
+
+    @classmethod
+    def execute(cls, model, positive, width, height, batch_size, seed, steps, cfg, shift, sampler_name,
+                scheduler, negative=None):
+        check_side("width", width)
+        check_side("height", height)
+        node = cls.hidden.unique_id
+        transformer = getattr(model, "zimage", None)
+        if transformer is not None:
+            transformer.on_split_change = lambda text: show(node, text)
+        try:
+            m = with_shift(model, shift)
+            latent = torch.zeros([batch_size, 16, height // 8, width // 8], device=comfy.model_management.intermediate_device())
+            latent = comfy.sample.fix_empty_latent_channels(m, latent)
+            noise = comfy.sample.prepare_noise(latent, seed)
+            samples = comfy.sample.sample(m, noise, steps, cfg, sampler_name, scheduler, positive,
+                                          negative if negative is not None else zero_conditioning(positive), latent,
+                                          denoise=1.0, callback=latent_preview.prepare_callback(m, steps),
+                                          disable_pbar=not comfy.utils.PROGRESS_BAR_ENABLED, seed=seed)
+        finally:
+            if transformer is not None:
+                transformer.on_split_change = None
+        return io.NodeOutput({"samples": samples})

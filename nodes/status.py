@@ -1,0 +1,13 @@
+"""The one-line status a node shows while it works, in the console and on the node."""
+import logging
+
+log = logging.getLogger("zimage")
+
+
+def show(node_id, text):
+    log.info(text)
+    try:
+        from server import PromptServer
+        PromptServer.instance.send_progress_text(text, node_id)
+    except (ImportError, AttributeError):  # no server (ComfyUI used as a library)
+        pass

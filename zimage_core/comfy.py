@@ -1,0 +1,114 @@
+"""The one module that talks to ComfyUI's model manager (it imports ``comfy``; nothing else in
+the core does).
+
+A Z-Image ``MODEL`` is a stock ``Lumina2`` base model whose diffusion model is the streamed
+``ZImageTransformer``, wrapped in ``ZImagePatcher``: a ``ModelPatcher`` that reports the bytes
+the transformer really holds, unloads partially by evicting trailing layers (nothing is copied
+back: the pinned host copies are the masters) and loads by promoting them. ComfyUI's own
+``free_memory`` / ``load_models_gpu`` therefore make room for the text encoder and the VAE the
+cheap way, and stock samplers, ``VAEDecode`` and LoRA loaders see an ordinary MODEL.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+import comfy.ldm.modules.attention
+import comfy.model_base
+import comfy.model_management as mm
+import comfy.model_patcher
+import comfy.supported_models
+
+from . import planner
+from .checkpoint import Checkpoint
+from .transformer import STORAGE_DTYPES, ZImageTransformer
+
+log = logging.getLogger("zimage")
+_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+
+def comfy_attention(q, k, v, heads):
+    """ComfyUI's attention kernel, so the pack computes what its native Z-Image computes."""
+    return comfy.ldm.modules.attention.optimized_attention(q, k, v, heads, skip_reshape=True)
+
+
+class ZImagePatcher(comfy.model_patcher.ModelPatcher):
+    """ModelPatcher over a streamed Z-Image transformer. Clones (made by stock nodes such as
+    ModelSamplingAuraFlow or LoRA loaders) share the transformer through ``self.model``."""
+
+    @property
+    def zimage(self) -> ZImageTransformer:
+        return self.model.diffusion_model
+
+    def model_size(self):
+        return self.zimage.total_bytes
+
+    def loaded_size(self):
+        return self.zimage.device_bytes()
+
+    def memory_required(self, input_shape):
+        """Activation memory of a step for this latent shape (ComfyUI's factor-based estimate is
+        several times larger and would make it evict layers for nothing)."""
+        t = self.zimage
+        b, h, w = input_shape[0], input_shape[-2] * 8, input_shape[-1] * 8
+        t.expected = (w, h, b)
+        return planner.activation_bytes(t.cfg, w, h, b, dtype=t.dtype, storage=t.storage_dtype)
+
+    def load(self, device_to=None, lowvram_model_memory=0, force_patch_weights=False, full_load=False, **kwargs):
+        """Fixed part to the GPU, then as many layers as the plan for the coming image allows.
+        ComfyUI has already freed what it could for us; the plan reads the real free memory."""
+        t = self.zimage
+        t.to_device()
+        w, h, b = getattr(t, "expected", (1024, 1024, 1))
+        t.prepare(w, h, b)
+        self._sync()
+
+    def partially_unload(self, device_to, memory_to_free=0, force_patch_weights=False):
+        freed = self.zimage.evict(memory_to_free)
+        self._sync()
+        log.info("Z-Image: made room for another model: %.2f GiB freed (%d layers stay on the GPU)",
+                 freed / planner.GiB, self.zimage.streamer.n_resident)
+        return freed
+
+    def unpatch_model(self, device_to=None, unpatch_weights=True):
+        super().unpatch_model(device_to, unpatch_weights=False)
+        if unpatch_weights and device_to is not None:
+            self.zimage.offload(device_to)
+            self._sync()
+
+    def _sync(self):
+        """Keep the bookkeeping ComfyUI reads off the module in step with the transformer."""
+        t = self.zimage
+        self.model.model_loaded_weight_memory = t.device_bytes()
+        self.model.model_lowvram = t.streamer.n_streamed > 0 or not t.on_device
+        self.model.device = t.device if t.on_device else self.offload_device
+
+
+def load_model(path, weight_dtype="default", max_resident=None, leave_free_gib=0.0):
+    """A Z-Image MODEL backed by the streaming core; dtypes chosen as ComfyUI's UNETLoader does."""
+    load_device = mm.get_torch_device()
+    offload_device = mm.unet_offload_device()
+    ck = Checkpoint(path)  # header only: config, parameter count and storage dtype
+    cfg, file_dtype = ck.config, ck.storage_dtype
+    ck.close()
+    model_config = comfy.supported_models.ZImage({"image_model": "lumina2", "dim": cfg.dim,
+                                                  "disable_unet_model_creation": True})
+    supported = list(model_config.supported_inference_dtypes)
+    weight = file_dtype if weight_dtype == "default" else STORAGE_DTYPES[weight_dtype]
+    unet_dtype = mm.unet_dtype(model_params=cfg.total_params(), supported_dtypes=supported, weight_dtype=weight)
+    manual_cast = mm.unet_manual_cast(unet_dtype, load_device, supported)
+    compute = manual_cast or unet_dtype
+    if compute not in _DTYPE_NAMES:
+        compute = torch.bfloat16
+    model_config.set_inference_dtype(unet_dtype, manual_cast)
+    storage = weight if weight == torch.float8_e4m3fn else compute
+    storage_name = next(k for k, v in STORAGE_DTYPES.items() if v == storage)
+    t = ZImageTransformer.load(path, device=load_device, dtype=_DTYPE_NAMES[compute], weight_dtype=storage_name,
+                               initial_device=offload_device)
+    t.model.set_attention(comfy_attention)
+    t.max_resident = max_resident
+    t.leave_free = int(leave_free_gib * planner.GiB)
+    base = comfy.model_base.Lumina2(model_config, device=None)
+    base.diffusion_model = t
+    return ZImagePatcher(base, load_device=load_device, offload_device=offload_device)
