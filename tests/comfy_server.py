@@ -1,0 +1,293 @@
+"""A real ComfyUI server for the tests: a base directory with this pack in `custom_nodes/`, small
+random weights in `models/`, `main.py --cpu` on a free port, and a small HTTP client.
+
+Use from a test module (tests/conftest.py is not touched):
+
+    from comfy_server import comfy_server  # noqa: F401  (the session fixture)
+
+    @needs_comfyui
+    def test_something(comfy_server):
+        pid, _ = comfy_server.post(prompt)
+        entry = comfy_server.wait(pid, 300)
+
+Weights (random values, real key layouts, cached under the system temp dir between sessions):
+- `diffusion_models/z_image_turbo_bf16.safetensors`: dim 3840 with ONE main layer, written by
+  `zimage_core.random_weights` (ComfyUI detects it as Z-Image).
+- `text_encoders/qwen_3_4b.safetensors` (Qwen3-4B, 2 of 36 layers) and `vae/ae.safetensors` (Flux
+  AE): written by `comfy_te_vae_weights.py` from ComfyUI's own classes.
+
+ComfyUI builds all 36 Qwen3-4B layers whatever the file holds, and leaves the 34 missing ones
+uninitialized (`torch.empty`): the conditioning is NaN or garbage. The server therefore runs with
+`MALLOC_PERTURB_=255` (glibc fills every fresh allocation with zero bytes, large ones are fresh
+zero pages anyway), so the missing layers are zeros: residual blocks that pass their input
+through, and the text encoder is deterministic and finite.
+
+Extra server flags: `COMFY_SERVER_FLAGS` (e.g. `--disable-dynamic-vram`), or `start_server(flags=...)`.
+"""
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import io
+import json
+import os
+import shlex
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+import uuid
+
+import pytest
+
+from comfy_env import COMFYUI_PATH, comfyui_version
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+PACK = "zimage_turbo_streaming"
+UNET = "z_image_turbo_bf16.safetensors"
+TE = "qwen_3_4b.safetensors"
+VAE = "ae.safetensors"
+TE_LAYERS = 2
+START_TIMEOUT = 180
+
+
+def _digest(*paths):
+    h = hashlib.sha256()
+    for p in paths:
+        with open(p, "rb") as f:
+            h.update(f.read())
+    return h.hexdigest()[:12]
+
+
+@contextlib.contextmanager
+def _locked(folder):
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, ".lock"), "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def cache_root():
+    return os.path.join(tempfile.gettempdir(), "zimage_comfy_test_weights")
+
+
+def transformer_weights():
+    """The dim-3840, one-layer transformer (ComfyUI key layout), cached by the writer's source."""
+    import torch
+
+    core = os.path.join(ROOT, "zimage_core")
+    key = _digest(*(os.path.join(core, f) for f in ("random_weights.py", "checkpoint.py", "config.py")))
+    folder = os.path.join(cache_root(), f"transformer-{key}")
+    path = os.path.join(folder, UNET)
+    with _locked(folder):
+        if not os.path.isfile(path):
+            from zimage_core.config import ZImageConfig
+            from zimage_core.random_weights import write_checkpoint
+
+            tmp = os.path.join(folder, f"tmp-{os.getpid()}.safetensors")
+            write_checkpoint(tmp, ZImageConfig(n_layers=1), dtype=torch.bfloat16)
+            os.replace(tmp, path)
+    return path
+
+
+def te_vae_weights(python=None, comfy_path=None):
+    """Qwen3-4B (2 layers) and the Flux AE from ComfyUI's own classes, cached per ComfyUI version."""
+    comfy_path = comfy_path or COMFYUI_PATH
+    script = os.path.join(HERE, "comfy_te_vae_weights.py")
+    folder = os.path.join(cache_root(), f"comfyui-{comfyui_version()}-{_digest(script)}-l{TE_LAYERS}")
+    paths = {n: os.path.join(folder, n) for n in (TE, VAE)}
+    with _locked(folder):
+        if not all(os.path.isfile(p) for p in paths.values()):
+            r = subprocess.run([python or sys.executable, script, comfy_path, folder, "--te-layers", str(TE_LAYERS)],
+                               capture_output=True, text=True, timeout=900)
+            assert r.returncode == 0, f"weight generator failed:\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}"
+    return paths
+
+
+def make_base_dir(base):
+    """custom_nodes/<pack> -> repository root; models/{diffusion_models,text_encoders,vae}; user, input, output."""
+    for sub in ("custom_nodes", "models/diffusion_models", "models/text_encoders", "models/vae", "user",
+                "input", "output"):
+        os.makedirs(os.path.join(base, sub), exist_ok=True)
+    link = os.path.join(base, "custom_nodes", PACK)
+    if not os.path.islink(link):
+        os.symlink(ROOT, link, target_is_directory=True)
+    te_vae = te_vae_weights()
+    for folder, name, src in (("diffusion_models", UNET, transformer_weights()), ("text_encoders", TE, te_vae[TE]),
+                              ("vae", VAE, te_vae[VAE])):
+        dst = os.path.join(base, "models", folder, name)
+        if not os.path.lexists(dst):
+            os.symlink(src, dst)
+    return base
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ComfyClient:
+    """HTTP client for one running server. `post` -> `wait` -> `image` is the usual path."""
+
+    def __init__(self, proc, port, base_dir, log_path, flags):
+        self.proc, self.port, self.base_dir, self.log_path, self.flags = proc, port, base_dir, log_path, flags
+        self.url = f"http://127.0.0.1:{port}"
+        self.client_id = uuid.uuid4().hex
+
+    # -- raw HTTP ------------------------------------------------------------------------------
+    def request(self, method, path, body=None, timeout=60):
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(self.url + path, data=data, method=method,
+                                     headers={"Content-Type": "application/json"} if data else {})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as r:
+                return r.status, r.read(), r.headers.get("Content-Type", "")
+        except urllib.error.HTTPError as e:
+            return e.code, e.read(), e.headers.get("Content-Type", "")
+
+    def get(self, path, timeout=60):
+        """GET `path`; JSON answers decoded, anything else as bytes. Asserts HTTP 200."""
+        status, raw, ctype = self.request("GET", path, timeout=timeout)
+        assert status == 200, f"GET {path}: HTTP {status}: {raw[:500]!r}"
+        return json.loads(raw) if "json" in ctype else raw
+
+    # -- prompts -------------------------------------------------------------------------------
+    def post(self, prompt, check=True):
+        """POST /prompt. Returns (prompt_id, response json); with `check`, asserts HTTP 200 and no node_errors."""
+        status, raw, _ = self.request("POST", "/prompt", {"prompt": prompt, "client_id": self.client_id})
+        resp = json.loads(raw) if raw else {}
+        if check:
+            assert status == 200, f"POST /prompt: HTTP {status}: {json.dumps(resp)[:3000]}"
+            assert not resp.get("node_errors"), f"node_errors: {json.dumps(resp['node_errors'])[:3000]}"
+        else:
+            resp["_http_status"] = status
+        return resp.get("prompt_id"), resp
+
+    def history(self, prompt_id):
+        return self.get(f"/history/{prompt_id}").get(prompt_id)
+
+    def wait(self, prompt_id, timeout=600, poll=0.5):
+        """Poll /history/<id> until the prompt finished (success, error or interrupted); the history entry."""
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            entry = self.history(prompt_id)
+            if entry and entry.get("status", {}).get("status_str") in ("success", "error"):
+                return entry
+            if self.proc.poll() is not None:
+                pytest.fail(f"ComfyUI exited with {self.proc.returncode}:\n{self.log_tail()}")
+            time.sleep(poll)
+        pytest.fail(f"prompt {prompt_id} not finished after {timeout} s:\n{self.log_tail()}")
+
+    def run(self, prompt, timeout=600):
+        """post + wait; asserts success; returns the history entry."""
+        pid, _ = self.post(prompt)
+        entry = self.wait(pid, timeout)
+        assert entry["status"]["status_str"] == "success", \
+            f"{json.dumps(entry['status'])[:4000]}\n--- server log ---\n{self.log_tail()}"
+        return entry
+
+    def interrupt(self):
+        status, raw, _ = self.request("POST", "/interrupt", {})
+        assert status == 200, f"POST /interrupt: HTTP {status} {raw[:300]!r}"
+
+    def queue(self):
+        return self.get("/queue")
+
+    # -- results -------------------------------------------------------------------------------
+    def image_refs(self, entry, node_id):
+        return entry["outputs"][str(node_id)]["images"]
+
+    def image_bytes(self, ref):
+        q = urllib.parse.urlencode({"filename": ref["filename"], "subfolder": ref.get("subfolder", ""),
+                                    "type": ref.get("type", "output")})
+        return self.get(f"/view?{q}")
+
+    def image(self, entry, node_id, index=0):
+        """The index-th image saved by node `node_id`, as a PIL image (fetched through /view)."""
+        from PIL import Image
+
+        img = Image.open(io.BytesIO(self.image_bytes(self.image_refs(entry, node_id)[index])))
+        img.load()
+        return img
+
+    # -- log -------------------------------------------------------------------------------------
+    def log_text(self):
+        with open(self.log_path, errors="replace") as f:
+            return f.read()
+
+    def log_tail(self, chars=6000):
+        return self.log_text()[-chars:]
+
+
+def start_server(base_dir, flags=(), python=None, timeout=START_TIMEOUT, log_name=None):
+    """Start `main.py --cpu` on a free port with `base_dir`; returns a ComfyClient once /object_info answers."""
+    port = free_port()
+    log_path = os.path.join(base_dir, log_name or f"comfyui-{port}.log")
+    cmd = [python or sys.executable, "main.py", "--cpu", "--listen", "127.0.0.1", "--port", str(port),
+           "--disable-auto-launch", "--base-directory", base_dir,
+           "--database-url", f"sqlite:///{os.path.join(base_dir, 'user', 'comfyui.db')}", *flags]
+    env = dict(os.environ, PYTHONUNBUFFERED="1", MALLOC_PERTURB_="255")
+    log = open(log_path, "w")
+    log.write(f"$ cd {COMFYUI_PATH} && {shlex.join(cmd)}\n")
+    log.flush()
+    proc = subprocess.Popen(cmd, cwd=COMFYUI_PATH, stdout=log, stderr=subprocess.STDOUT, env=env,
+                            start_new_session=True)
+    log.close()
+    client = ComfyClient(proc, port, base_dir, log_path, list(flags))
+    end = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"ComfyUI exited with {proc.returncode} while starting:\n{client.log_tail()}")
+        try:
+            status, _, _ = client.request("GET", "/object_info", timeout=30)
+            if status == 200:
+                return client
+        except (urllib.error.URLError, ConnectionError, OSError):
+            pass
+        if time.monotonic() > end:
+            stop_server(client)
+            raise RuntimeError(f"ComfyUI did not answer /object_info within {timeout} s:\n{client.log_tail()}")
+        time.sleep(0.5)
+
+
+def stop_server(client):
+    proc = client.proc
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=20)
+
+
+def server_flags():
+    return shlex.split(os.environ.get("COMFY_SERVER_FLAGS", ""))
+
+
+@pytest.fixture(scope="session")
+def comfy_base_dir(tmp_path_factory):
+    if not COMFYUI_PATH:
+        pytest.skip("set COMFYUI_PATH to a ComfyUI source tree (v0.8.0 or v0.20.1) to run the ComfyUI tests")
+    return make_base_dir(str(tmp_path_factory.mktemp("comfy_base")))
+
+
+@pytest.fixture(scope="session")
+def comfy_server(comfy_base_dir):
+    """One ComfyUI server for the session (flags from COMFY_SERVER_FLAGS)."""
+    t0 = time.monotonic()
+    client = start_server(comfy_base_dir, server_flags(), log_name="comfyui.log")
+    print(f"\nComfyUI {comfyui_version()} ready in {time.monotonic() - t0:.1f} s on port {client.port} "
+          f"(flags {client.flags}); log {client.log_path}")
+    yield client
+    stop_server(client)
