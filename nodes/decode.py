@@ -4,7 +4,7 @@ import comfy.model_management as mm
 import torch
 from comfy_api.latest import io
 
-from .status import show
+from .status import node_id, show
 
 log = logging.getLogger("zimage")
 # Measured peak of the Flux AE decoder: about 2.2 KB per output pixel in bf16, 4.4 KB in fp32
@@ -62,5 +62,5 @@ class ZImageDecode(io.ComfyNode):
         text = ("Z-Image: the VAE decode does not fit even on an emptied GPU at "
                 f"{latent.shape[-1] * 8}x{latent.shape[-2] * 8}; decoding tiled (slower, slightly different).")
         log.warning(text)
-        show(cls.hidden.unique_id, text)
+        show(node_id(cls), text)
         return io.NodeOutput(vae.decode_tiled(latent))

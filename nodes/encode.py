@@ -1,6 +1,6 @@
 from comfy_api.latest import io
 
-from .status import show
+from .status import node_id, show
 
 
 class ZImageTextEncode(io.ComfyNode):
@@ -26,5 +26,5 @@ class ZImageTextEncode(io.ComfyNode):
             raise RuntimeError("Z-Image Text Encode got no text encoder: connect a CLIPLoader with "
                                "qwen_3_4b.safetensors and type lumina2.")
         tokens = clip.tokenize(text)
-        show(cls.hidden.unique_id, "Z-Image: encoding the prompt")
+        show(node_id(cls), "Z-Image: encoding the prompt")
         return io.NodeOutput(clip.encode_from_tokens_scheduled(tokens))

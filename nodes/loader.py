@@ -2,7 +2,7 @@ import folder_paths
 from comfy_api.latest import io
 
 from ..zimage_core import comfy as zcomfy
-from .status import show
+from .status import node_id, show
 
 VRAM_MODES = ["auto", "max_resident_layers", "leave_free_gb"]
 
@@ -43,6 +43,6 @@ class ZImageModelLoader(io.ComfyNode):
                                   max_resident=resident_layers if vram == "max_resident_layers" else None,
                                   leave_free_gib=leave_free_gb if vram == "leave_free_gb" else 0.0)
         t = model.zimage
-        show(cls.hidden.unique_id, f"Z-Image: {unet_name}: {t.cfg.n_layers} layers, "
+        show(node_id(cls), f"Z-Image: {unet_name}: {t.cfg.n_layers} layers, "
                                    f"{t.streamer.pinned_layers} pinned in host memory")
         return io.NodeOutput(model)

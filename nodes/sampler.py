@@ -6,7 +6,7 @@ import latent_preview
 import torch
 from comfy_api.latest import io
 
-from .status import show
+from .status import node_id, show
 
 MAX_SIDE = 4096
 
@@ -73,7 +73,7 @@ class ZImageSampler(io.ComfyNode):
                 scheduler, negative=None):
         check_side("width", width)
         check_side("height", height)
-        node = cls.hidden.unique_id
+        node = node_id(cls)
         transformer = getattr(model, "zimage", None)
         if transformer is not None:
             transformer.on_split_change = lambda text: show(node, text)

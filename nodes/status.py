@@ -11,3 +11,8 @@ def show(node_id, text):
         PromptServer.instance.send_progress_text(text, node_id)
     except (ImportError, AttributeError):  # no server (ComfyUI used as a library)
         pass
+
+
+def node_id(cls):
+    """The executing node's id; None when a node's execute is called outside a prompt (scripts)."""
+    return getattr(cls.hidden, "unique_id", None) if cls.hidden is not None else None
