@@ -6,6 +6,8 @@ path (loaders, text encoder, sampler, VAE, saving) runs for real.
 """
 import json
 import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -14,6 +16,15 @@ from comfy_env import comfyui_version, needs_comfyui
 from comfy_server import TE, UNET, VAE, comfy_base_dir, comfy_server  # noqa: F401  (fixtures)
 
 pytestmark = needs_comfyui
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORKFLOWS = os.path.join(ROOT, "workflows")
+API_WORKFLOW = os.path.join(WORKFLOWS, "api", "z_image_turbo.json")
+UI_WORKFLOWS = ("z_image_turbo", "z_image_turbo_stock_nodes")
+PACK_NODES = ("ZImageModelLoader", "ZImageTextEncode", "ZImageSampler", "ZImageDecode")
+FRONTEND_ONLY = ("Note", "MarkdownNote")  # nodes the frontend draws; the server does not know them
+# Largest pixel difference (0-255) allowed between the pack's workflow and the official template.
+PARITY_MAX_DIFF = 0
 
 PROMPT = "a lighthouse on a rocky coast at dusk, warm light, film grain"
 SIZE = 128
@@ -41,6 +52,24 @@ def official_template(prompt=PROMPT, width=SIZE, height=SIZE, steps=STEPS, seed=
     }
 
 
+def pack_workflow(prompt=PROMPT, width=SIZE, height=SIZE, steps=STEPS, seed=42, prefix="pack", unet=None,
+                  batch_size=1):
+    """workflows/api/z_image_turbo.json with the test's prompt, size, steps, seed and file prefix."""
+    with open(API_WORKFLOW) as f:
+        wf = json.load(f)
+    by_type = {n["class_type"]: n["inputs"] for n in wf.values()}
+    by_type["ZImageTextEncode"]["text"] = prompt
+    by_type["ZImageSampler"].update(width=width, height=height, steps=steps, seed=seed, batch_size=batch_size)
+    by_type["SaveImage"]["filename_prefix"] = prefix
+    if unet:
+        by_type["ZImageModelLoader"]["unet_name"] = unet
+    return wf
+
+
+def node_of(wf, class_type):
+    return next(k for k, n in wf.items() if n["class_type"] == class_type)
+
+
 def image_stats(img):
     import numpy as np
 
@@ -48,11 +77,279 @@ def image_stats(img):
     return a, f"{img.size[0]}x{img.size[1]} min {a.min():.0f} max {a.max():.0f} mean {a.mean():.1f} std {a.std():.2f}"
 
 
-def test_official_template(comfy_server):
+def messages(entry):
+    return {event: data for event, data in entry["status"].get("messages", [])}
+
+
+@pytest.fixture(scope="session")
+def object_info(comfy_server):
+    return comfy_server.get("/object_info")
+
+
+@pytest.fixture(scope="session")
+def official_run(comfy_server):
+    """The official template at 128x128, 2 steps: (history entry, PIL image, seconds)."""
     t0 = time.monotonic()
     entry = comfy_server.run(official_template())
-    dt = time.monotonic() - t0
-    img = comfy_server.image(entry, "10")
+    return entry, comfy_server.image(entry, "10"), time.monotonic() - t0
+
+
+@pytest.fixture(scope="session")
+def pack_run(comfy_server):
+    """workflows/api/z_image_turbo.json at 128x128, 2 steps: (history entry, PIL image, seconds)."""
+    wf = pack_workflow()
+    t0 = time.monotonic()
+    entry = comfy_server.run(wf)
+    return entry, comfy_server.image(entry, node_of(wf, "SaveImage")), time.monotonic() - t0
+
+
+# -- stock nodes only ----------------------------------------------------------------------------
+
+def test_official_template(official_run):
+    entry, img, dt = official_run
     _, stats = image_stats(img)
     print(f"\nComfyUI {comfyui_version()}: official template {SIZE}x{SIZE}, {STEPS} steps: {dt:.1f} s; {stats}")
     assert img.size == (SIZE, SIZE)
+    assert entry["status"]["completed"]
+
+
+# -- the pack's nodes ------------------------------------------------------------------------------
+
+def widget_inputs(info):
+    """[(name, has control_after_generate)] for the widget inputs of a node, in the frontend's order."""
+    out = []
+    for section in ("required", "optional"):
+        specs = info["input"].get(section, {})
+        for name in info.get("input_order", {}).get(section, list(specs)):
+            spec = specs[name]
+            kind, opts = spec[0], (spec[1] if len(spec) > 1 and isinstance(spec[1], dict) else {})
+            if opts.get("forceInput"):
+                continue
+            if isinstance(kind, list) or kind in ("INT", "FLOAT", "STRING", "BOOLEAN", "COMBO"):
+                out.append((name, kind == "INT" and bool(opts.get("control_after_generate"))))
+    return out
+
+
+def input_type(info, name):
+    for section in ("required", "optional"):
+        spec = info["input"].get(section, {}).get(name)
+        if spec is not None:
+            return "COMBO" if isinstance(spec[0], list) else spec[0]
+    return None
+
+
+def ui_to_api(wf, object_info):
+    """A UI-format (LiteGraph) workflow as API format, checking it on the way: node types known,
+    widgets_values matching each node's widget inputs, links consistent on both ends and typed as
+    the node definitions say."""
+    nodes = {n["id"]: n for n in wf["nodes"]}
+    links = {l[0]: l for l in wf["links"]}
+    assert len(links) == len(wf["links"]), "duplicate link ids"
+    assert wf.get("version") == 0.4 and wf["last_node_id"] >= max(nodes) and wf["last_link_id"] >= max(links)
+    for lid, (_, src, src_slot, dst, dst_slot, ltype) in links.items():
+        assert lid in nodes[src]["outputs"][src_slot]["links"], f"link {lid} missing at node {src}"
+        assert nodes[dst]["inputs"][dst_slot]["link"] == lid, f"link {lid} missing at node {dst}"
+        assert nodes[src]["outputs"][src_slot]["type"] == ltype == nodes[dst]["inputs"][dst_slot]["type"]
+        assert object_info[nodes[src]["type"]]["output"][src_slot] == ltype
+    api = {}
+    for n in wf["nodes"]:
+        if n["type"] in FRONTEND_ONLY:
+            continue
+        assert n["type"] in object_info, f"node type {n['type']} unknown to the server"
+        info = object_info[n["type"]]
+        widgets, values = widget_inputs(info), list(n.get("widgets_values", []))
+        expected = len(widgets) + sum(c for _, c in widgets)
+        assert len(values) == expected, (f"{n['type']} (node {n['id']}): {len(values)} widgets_values, "
+                                         f"expected {expected} for {widgets}")
+        inputs = {}
+        for name, control in widgets:
+            inputs[name] = values.pop(0)
+            if control:
+                assert values.pop(0) in ("fixed", "increment", "decrement", "randomize")
+        for i, inp in enumerate(n.get("inputs", [])):
+            assert input_type(info, inp["name"]) in (inp["type"], "COMBO" if "widget" in inp else None), inp
+            if inp.get("link") is not None:
+                _, src, slot, _, dst_slot, _ = links[inp["link"]]
+                assert dst_slot == i
+                inputs[inp["name"]] = [str(src), slot]
+        for slot, o in enumerate(n.get("outputs", [])):
+            assert info["output"][slot] == o["type"], (n["type"], o)
+        api[str(n["id"])] = {"class_type": n["type"], "inputs": inputs}
+    return api
+
+
+def load_ui(name):
+    with open(os.path.join(WORKFLOWS, name + ".json")) as f:
+        return json.load(f)
+
+
+def test_object_info_lists_pack_nodes(object_info):
+    for name in PACK_NODES:
+        assert name in object_info, f"{name} not registered (see the server log for an import error)"
+        assert object_info[name]["category"].startswith("Z-Image"), object_info[name]["category"]
+    loader = object_info["ZImageModelLoader"]["input"]["required"]
+    assert set(loader) >= {"unet_name", "weight_dtype", "vram", "resident_layers", "leave_free_gb"}
+    assert UNET in loader["unet_name"][0] or UNET in loader["unet_name"][1].get("options", [])
+    sampler = object_info["ZImageSampler"]["input"]
+    assert set(sampler["required"]) >= {"model", "positive", "width", "height", "batch_size", "seed", "steps",
+                                        "cfg", "shift", "sampler_name", "scheduler"}
+    assert "negative" in sampler.get("optional", {})
+    assert object_info["ZImageSampler"]["output"] == ["LATENT"]
+    assert object_info["ZImageTextEncode"]["output"] == ["CONDITIONING"]
+    assert object_info["ZImageDecode"]["output"] == ["IMAGE"]
+    assert object_info["ZImageModelLoader"]["output"] == ["MODEL"]
+
+
+def test_workflow_templates_lists_examples(comfy_server):
+    from comfy_server import PACK
+
+    listed = comfy_server.get("/workflow_templates")
+    assert sorted(listed.get(PACK, [])) == sorted(UI_WORKFLOWS), listed.get(PACK)
+    for name in UI_WORKFLOWS:  # served to the frontend's template browser
+        served = comfy_server.get(f"/api/workflow_templates/{PACK}/{name}.json")
+        served = json.loads(served) if isinstance(served, bytes) else served
+        assert served == load_ui(name)
+
+
+def test_ui_workflows_are_valid(object_info):
+    api = {}
+    for name in UI_WORKFLOWS:
+        api[name] = ui_to_api(load_ui(name), object_info)
+    # the main UI workflow and its API twin are the same graph with the same values
+    with open(API_WORKFLOW) as f:
+        twin = json.load(f)
+    strip = lambda wf: {k: {"class_type": n["class_type"], "inputs": n["inputs"]} for k, n in wf.items()}
+    assert strip(twin) == api["z_image_turbo"]
+    # every API input is a known input of its node
+    for n in twin.values():
+        info = object_info[n["class_type"]]["input"]
+        known = set(info.get("required", {})) | set(info.get("optional", {}))
+        assert set(n["inputs"]) <= known, (n["class_type"], set(n["inputs"]) - known)
+
+
+def test_api_workflow(pack_run):
+    entry, img, dt = pack_run
+    _, stats = image_stats(img)
+    print(f"\nComfyUI {comfyui_version()}: pack API workflow {SIZE}x{SIZE}, {STEPS} steps: {dt:.1f} s; {stats}")
+    assert img.size == (SIZE, SIZE)
+
+
+def test_api_workflow_other_size(comfy_server):
+    """Width and height reach the image (non-square, batch of 2)."""
+    wf = pack_workflow(width=160, height=96, seed=3, batch_size=2, prefix="pack_size")
+    entry = comfy_server.run(wf)
+    refs = comfy_server.image_refs(entry, node_of(wf, "SaveImage"))
+    assert len(refs) == 2
+    for i in range(2):
+        assert comfy_server.image(entry, node_of(wf, "SaveImage"), i).size == (160, 96)
+
+
+def test_parity_with_official_template(official_run, pack_run):
+    import numpy as np
+
+    a, sa = image_stats(official_run[1])
+    b, sb = image_stats(pack_run[1])
+    diff = int(np.abs(a - b).max())
+    print(f"\nComfyUI {comfyui_version()}: PARITY largest pixel difference pack vs official template: {diff} "
+          f"(mean {np.abs(a - b).mean():.3f}); official {sa}; pack {sb}")
+    assert a.std() > 1.0, "the reference image is flat: the test would prove nothing"
+    assert diff <= PARITY_MAX_DIFF
+
+
+def test_stock_nodes_workflow(comfy_server, object_info, pack_run):
+    """workflows/z_image_turbo_stock_nodes.json: the pack's loader feeding ModelSamplingAuraFlow, KSampler,
+    VAEDecode and SaveImage, with CLIPTextEncode."""
+    import numpy as np
+
+    wf = ui_to_api(load_ui("z_image_turbo_stock_nodes"), object_info)
+    by_type = {n["class_type"]: n["inputs"] for n in wf.values()}
+    by_type["EmptySD3LatentImage"].update(width=SIZE, height=SIZE)
+    by_type["KSampler"].update(steps=STEPS, seed=42)
+    by_type["CLIPTextEncode"]["text"] = PROMPT
+    by_type["SaveImage"]["filename_prefix"] = "pack_stock"
+    assert by_type["ModelSamplingAuraFlow"]["model"][0] == node_of(wf, "ZImageModelLoader")
+    t0 = time.monotonic()
+    entry = comfy_server.run(wf)
+    img = comfy_server.image(entry, node_of(wf, "SaveImage"))
+    a, stats = image_stats(img)
+    b, _ = image_stats(pack_run[1])
+    diff = int(np.abs(a - b).max())
+    print(f"\nComfyUI {comfyui_version()}: pack loader + stock KSampler/VAEDecode: {time.monotonic() - t0:.1f} s; "
+          f"{stats}; largest pixel difference to the pack's own nodes: {diff}")
+    assert img.size == (SIZE, SIZE)
+    assert diff <= PARITY_MAX_DIFF
+
+
+def test_run_script(comfy_server, tmp_path, pack_run):
+    out = tmp_path / "images"
+    r = subprocess.run([sys.executable, os.path.join(WORKFLOWS, "api", "run.py"), "--server", comfy_server.url,
+                        "--out", str(out), "--prompt", "a small red boat", "--seed", "7", "--width", "112",
+                        "--height", "80", "--steps", "1", "--timeout", "600"],
+                       capture_output=True, text=True, timeout=660)
+    assert r.returncode == 0, f"{r.stdout}\n{r.stderr}\n--- server log ---\n{comfy_server.log_tail()}"
+    files = sorted(out.iterdir())
+    assert len(files) == 1 and files[0].suffix == ".png", (files, r.stdout)
+    from PIL import Image
+
+    with Image.open(files[0]) as img:
+        assert img.size == (112, 80)
+
+
+def test_interrupt(comfy_server, pack_run):
+    """POST /interrupt while the sampler runs stops the prompt; the next prompt still works."""
+    steps = 37  # a count no other test uses: its progress bar in the log says the sampler is running
+    wf = pack_workflow(width=256, height=256, steps=steps, seed=11, prefix="interrupted")
+    log_start = len(comfy_server.log_text())
+    pid, _ = comfy_server.post(wf)
+    end = time.monotonic() + 300
+    while f"1/{steps} [" not in comfy_server.log_text()[log_start:]:  # one sampling step done
+        assert time.monotonic() < end, f"the sampler never started:\n{comfy_server.log_tail()}"
+        assert not comfy_server.history(pid), f"finished before the interrupt: {comfy_server.history(pid)}"
+        time.sleep(0.2)
+    t0 = time.monotonic()
+    comfy_server.interrupt()
+    entry = comfy_server.wait(pid, 300)
+    stop = time.monotonic() - t0
+    status = entry["status"]
+    print(f"\nComfyUI {comfyui_version()}: interrupted after {stop:.1f} s; {[m[0] for m in status['messages']]}")
+    assert status["status_str"] == "error" and not status["completed"], status
+    msgs = messages(entry)
+    assert "execution_interrupted" in msgs, status
+    assert "execution_error" not in msgs, msgs.get("execution_error")
+    assert msgs["execution_interrupted"]["node_type"] == "ZImageSampler", msgs["execution_interrupted"]
+    assert not entry.get("outputs"), entry.get("outputs")
+    # the server still works, and the model survived the interrupt
+    entry = comfy_server.run(pack_workflow(seed=12, prefix="after_interrupt"))
+    assert comfy_server.image(entry, node_of(pack_workflow(), "SaveImage")).size == (SIZE, SIZE)
+
+
+def write_truncated(src, dst, keep=1 << 20):
+    with open(src, "rb") as f, open(dst, "wb") as g:
+        g.write(f.read(keep))
+
+
+@pytest.mark.parametrize("kind", ["truncated", "text"])
+def test_broken_model_file(comfy_server, comfy_base_dir, kind):
+    name = "broken.safetensors" if kind == "truncated" else "broken_text.safetensors"
+    folder = os.path.join(comfy_base_dir, "models", "diffusion_models")
+    path = os.path.join(folder, name)
+    if kind == "truncated":
+        write_truncated(os.path.join(folder, UNET), path)
+    else:
+        with open(path, "w") as f:
+            f.write("this is not a model, it is a note somebody saved with the wrong name\n")
+    wf = pack_workflow(unet=name, prefix="broken")
+    pid, _ = comfy_server.post(wf)
+    entry = comfy_server.wait(pid, 300)
+    status = entry["status"]
+    assert status["status_str"] == "error", status
+    err = messages(entry).get("execution_error")
+    assert err is not None, status
+    msg = err["exception_message"]
+    print(f"\nComfyUI {comfyui_version()}: {kind} model file -> {err['node_type']}: {err['exception_type']}: {msg}")
+    assert err["node_type"] == "ZImageModelLoader"
+    assert name in msg, msg
+    lower = msg.lower()
+    assert any(w in lower for w in ("truncated", "not a safetensors", "not a .safetensors")), msg
+    assert any(w in lower for w in ("download", "copy", "use a", "pick", "replace")), f"no fix suggested: {msg}"
+    assert "Traceback" not in msg
