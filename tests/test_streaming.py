@@ -138,3 +138,13 @@ def test_forward_builds_no_autograd_graph(model):
     x, t, ctx = inputs(TINY)
     assert not any(p.requires_grad for p in model.parameters())
     assert model(x.requires_grad_(), t, ctx).grad_fn is None
+
+
+def test_dropping_a_model_releases_its_host_buffers(tiny_file):
+    import gc
+    before = host_memory.live_bytes()
+    m = ZImageTransformer.load(tiny_file, device="cpu", dtype="fp32")
+    assert host_memory.live_bytes() > before
+    del m
+    gc.collect()
+    assert host_memory.live_bytes() == before

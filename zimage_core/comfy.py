@@ -66,6 +66,10 @@ class ZImagePatcher(comfy.model_patcher.ModelPatcher):
 
     def partially_unload(self, device_to, memory_to_free=0, force_patch_weights=False):
         freed = self.zimage.evict(memory_to_free)
+        if freed and self.zimage.device.type == "cuda":
+            # hand the layers' blocks back to the driver: what comes next (a VAE decode, the
+            # text encoder) allocates other sizes, which cached 338 MB blocks cannot serve
+            torch.cuda.empty_cache()
         self._sync()
         log.info("Z-Image: made room for another model: %.2f GiB freed (%d layers stay on the GPU)",
                  freed / planner.GiB, self.zimage.streamer.n_resident)

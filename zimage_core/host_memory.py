@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import threading
+import weakref
 
 import torch
 
@@ -49,8 +50,17 @@ def _host_register(buf) -> bool:
     return torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), buf.numel() * buf.element_size(), 0) == 0
 
 
-def _host_unregister(buf):
-    torch.cuda.cudart().cudaHostUnregister(buf.data_ptr())
+def _release(held: dict, pin: bool):
+    """Unlock the pages of every buffer in ``held`` (data_ptr -> bytes) and uncount them. Runs
+    from ``release_all`` or, when a pool is dropped without it, from the pool's finalizer:
+    before the buffers' memory is freed, so no freed page stays registered with CUDA."""
+    global _live
+    for ptr, nbytes in held.items():
+        if pin:
+            torch.cuda.cudart().cudaHostUnregister(ptr)
+        with _lock:
+            _live -= nbytes
+    held.clear()
 
 
 class HostPool:
@@ -58,7 +68,9 @@ class HostPool:
         self.cap = default_cap() if cap_bytes is None else int(cap_bytes)
         self.pin = torch.cuda.is_available() if pin is None else pin
         self.used = 0
-        self._buffers = {}
+        self._held = {}     # data_ptr -> bytes, what is counted (and registered)
+        self._buffers = []  # the tensors, kept alive until released
+        weakref.finalize(self, _release, self._held, self.pin)
 
     def allocate(self, numel: int, dtype: torch.dtype) -> torch.Tensor | None:
         """A flat host buffer, or None when it would pass the cap or the OS refuses to pin it."""
@@ -72,7 +84,8 @@ class HostPool:
             return None
         if self.pin and not _host_register(buf):  # the OS has no more lockable memory
             return None
-        self._buffers[id(buf)] = (buf, nbytes)
+        self._held[buf.data_ptr()] = nbytes
+        self._buffers.append(buf)
         self.used += nbytes
         with _lock:
             _live += nbytes
@@ -80,12 +93,7 @@ class HostPool:
 
     def release_all(self):
         """Unlock every buffer; the memory itself goes when the last reference to it does."""
-        global _live
-        for buf, _ in self._buffers.values():
-            if self.pin:
-                _host_unregister(buf)
-        with _lock:
-            _live -= self.used
+        _release(self._held, self.pin)
         self._buffers.clear()
         self.used = 0
 
