@@ -256,6 +256,21 @@ def test_parity_with_official_template(official_run, pack_run):
     assert diff <= PARITY_MAX_DIFF
 
 
+def test_parity_is_sensitive(comfy_server, pack_run):
+    """The transformer's output shapes the image (random weights could leave the noise as it is):
+    another shift, same seed and prompt, gives a clearly different image."""
+    import numpy as np
+
+    wf = pack_workflow(prefix="pack_shift")
+    wf[node_of(wf, "ZImageSampler")]["inputs"]["shift"] = 1.0
+    entry = comfy_server.run(wf)
+    a, _ = image_stats(comfy_server.image(entry, node_of(wf, "SaveImage")))
+    b, _ = image_stats(pack_run[1])
+    print(f"\nComfyUI {comfyui_version()}: shift 1 vs 3, same seed: largest pixel difference "
+          f"{int(np.abs(a - b).max())}, mean {np.abs(a - b).mean():.2f}")
+    assert np.abs(a - b).mean() > 2.0
+
+
 def test_stock_nodes_workflow(comfy_server, object_info, pack_run):
     """workflows/z_image_turbo_stock_nodes.json: the pack's loader feeding ModelSamplingAuraFlow, KSampler,
     VAEDecode and SaveImage, with CLIPTextEncode."""
