@@ -1,3 +1,4 @@
+import comfy.model_management
 import comfy.model_sampling
 import comfy.sample
 import comfy.samplers
@@ -15,12 +16,13 @@ class _FlowSampling(comfy.model_sampling.ModelSamplingDiscreteFlow, comfy.model_
     """Flow matching with a static shift: what ModelSamplingAuraFlow installs."""
 
 
-def with_shift(model, shift):
-    m = model.clone()
+def shifted_sigmas(model, scheduler, steps, shift):
+    """The schedule ModelSamplingAuraFlow(shift) would give. Computed here instead of patching a
+    clone of the model: a clone that dies when this node returns would leave ComfyUI's model
+    manager with a dead entry for a model that still holds GPU memory, which it then cannot free."""
     sampling = _FlowSampling(model.model.model_config)
     sampling.set_parameters(shift=shift, multiplier=1.0)
-    m.add_object_patch("model_sampling", sampling)
-    return m
+    return comfy.samplers.calculate_sigmas(sampling, scheduler, steps)
 
 
 def zero_conditioning(conditioning):
@@ -78,13 +80,13 @@ class ZImageSampler(io.ComfyNode):
         if transformer is not None:
             transformer.on_split_change = lambda text: show(node, text)
         try:
-            m = with_shift(model, shift)
             latent = torch.zeros([batch_size, 16, height // 8, width // 8], device=comfy.model_management.intermediate_device())
-            latent = comfy.sample.fix_empty_latent_channels(m, latent)
+            latent = comfy.sample.fix_empty_latent_channels(model, latent)
             noise = comfy.sample.prepare_noise(latent, seed)
-            samples = comfy.sample.sample(m, noise, steps, cfg, sampler_name, scheduler, positive,
+            samples = comfy.sample.sample(model, noise, steps, cfg, sampler_name, scheduler, positive,
                                           negative if negative is not None else zero_conditioning(positive), latent,
-                                          denoise=1.0, callback=latent_preview.prepare_callback(m, steps),
+                                          denoise=1.0, sigmas=shifted_sigmas(model, scheduler, steps, shift),
+                                          callback=latent_preview.prepare_callback(model, steps),
                                           disable_pbar=not comfy.utils.PROGRESS_BAR_ENABLED, seed=seed)
         finally:
             if transformer is not None:
