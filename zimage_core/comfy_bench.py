@@ -1,0 +1,178 @@
+"""Side by side in ComfyUI: the pack's workflow and the official Z-Image template, whole images.
+
+    python -m zimage_core.comfy_bench --comfy $COMFYUI_PATH --weights DIR [--cards 11.5,7.5,5.5]
+                                      [--dynamic on,off] [--size 1024] [--steps 8]
+
+DIR holds z_image_turbo_bf16.safetensors, qwen_3_4b.safetensors and ae.safetensors. Each card
+size and Dynamic VRAM setting runs in its own process (ComfyUI keeps global state), in which a
+second process holds all GPU memory but the card's. Per process: the pack's nodes make two
+images with different prompts (the second is the "warm image, new prompt"), a stock VAEDecode
+decodes a pack latent once, then the official template (UNETLoader, CLIPLoader, VAELoader,
+CLIPTextEncode, KSampler, VAEDecode) makes the same two images. Seconds per phase, the split,
+how much of the text encoder was on the GPU, tiled fallbacks, and the largest pixel difference
+between the two pipelines are reported.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+
+PROMPTS = ["a lighthouse on a cliff at dawn, oil painting", "a red fox in fresh snow, photograph"]
+PACK_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _comfy_init(comfy_path, dynamic, cpu):
+    """What ComfyUI's main.py does before nodes can run in-process."""
+    sys.path.insert(0, comfy_path)
+    with open(os.path.join(comfy_path, "comfy", "cli_args.py")) as f:
+        has_dynamic = "--disable-dynamic-vram" in f.read()  # v0.20 and later
+    sys.argv = [sys.argv[0]] + (["--disable-dynamic-vram"] if has_dynamic and not dynamic else []) + (
+        ["--cpu"] if cpu else [])
+    import comfy.options
+    comfy.options.enable_args_parsing()
+    from comfy.cli_args import args
+    try:  # v0.20: Dynamic VRAM needs comfy-aimdo set up before torch initialises CUDA
+        from comfy.cli_args import enables_dynamic_vram
+        import comfy_aimdo.control
+        if enables_dynamic_vram():
+            comfy_aimdo.control.init()
+    except ImportError:
+        enables_dynamic_vram = None
+    import comfy.model_management as mm
+    import comfy.model_patcher
+    if enables_dynamic_vram is not None and (args.enable_dynamic_vram or (
+            enables_dynamic_vram() and mm.is_nvidia() and not mm.is_wsl())):
+        import comfy.memory_management
+        if comfy_aimdo.control.init_device(mm.get_torch_device().index):
+            comfy.model_patcher.CoreModelPatcher = comfy.model_patcher.ModelPatcherDynamic
+            comfy.memory_management.aimdo_enabled = True
+    return getattr(comfy.model_patcher, "CoreModelPatcher", comfy.model_patcher.ModelPatcher).__name__
+
+
+def worker(a):
+    from .bench import simulated_card
+    with simulated_card(a.card):
+        patcher_kind = _comfy_init(a.comfy, a.dynamic == "on", a.cpu)
+        import torch
+        import comfy.model_management as mm
+        import folder_paths
+        import nodes
+        for kind in ("diffusion_models", "text_encoders", "vae"):
+            folder_paths.add_model_folder_path(kind, a.weights)
+        tiled = []
+
+        class TiledWatch(logging.Handler):
+            def emit(self, record):
+                if "tiled" in record.getMessage():
+                    tiled.append(record.getMessage())
+
+        logging.getLogger().addHandler(TiledWatch())
+        sys.path.insert(0, os.path.dirname(PACK_DIR))
+        import importlib
+        pack = importlib.import_module(os.path.basename(PACK_DIR) + ".nodes")
+
+        def sync():
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+
+        def timed(fn):
+            sync()
+            t = time.perf_counter()
+            r = fn()
+            sync()
+            return r, time.perf_counter() - t
+
+        clip = nodes.CLIPLoader().load_clip("qwen_3_4b.safetensors", type="lumina2")[0]
+        vae = nodes.VAELoader().load_vae("ae.safetensors")[0]
+        rows, images = [], {}
+
+        def row(pipeline, i, te, ts, td, split):
+            p = clip.patcher
+            rows.append(dict(pipeline=pipeline, image=i + 1, encode=te, sample=ts, decode=td, total=te + ts + td,
+                             te_on_gpu=p.loaded_size() / p.model_size(), split=split, tiled=len(tiled)))
+            print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+
+        model, load_s = timed(lambda: pack.ZImageModelLoader.execute(
+            "z_image_turbo_bf16.safetensors", "default", "auto", 30, 0.0).result[0])
+        for i, prompt in enumerate(PROMPTS):
+            cond, te = timed(lambda: pack.ZImageTextEncode.execute(clip, prompt).result[0])
+            lat, ts = timed(lambda: pack.ZImageSampler.execute(model, cond, a.size, a.size, 1, 42, a.steps, 1.0, 3.0,
+                                                               "res_multistep", "simple").result[0])
+            s = model.zimage.streamer
+            split = f"{s.n_resident} resident, {len(s.slots)} slots"
+            images[("pack", i)], td = timed(lambda: pack.ZImageDecode.execute(vae, lat).result[0])
+            row("pack", i, te, ts, td, split)
+        stock, stock_s = timed(lambda: nodes.VAEDecode().decode(vae, lat)[0])
+        stock_same = bool(torch.equal(stock, images[("pack", 1)]))
+        pinned = model.zimage.streamer.pinned_layers
+        del model, lat
+        mm.unload_all_models()
+        mm.soft_empty_cache()
+
+        unet = nodes.UNETLoader().load_unet("z_image_turbo_bf16.safetensors", "default")[0]
+        for i, prompt in enumerate(PROMPTS):
+            cond, te = timed(lambda: nodes.CLIPTextEncode().encode(clip, prompt)[0])
+            negative = nodes.ConditioningZeroOut().zero_out(cond)[0]
+            latent = {"samples": torch.zeros([1, 16, a.size // 8, a.size // 8], device=mm.intermediate_device())}
+            # ZImage samples with shift 3 by default: what ModelSamplingAuraFlow(3) installs
+            lat, ts = timed(lambda: nodes.KSampler().sample(unet, 42, a.steps, 1.0, "res_multistep", "simple",
+                                                            cond, negative, latent)[0])
+            images[("official", i)], td = timed(lambda: nodes.VAEDecode().decode(vae, lat)[0])
+            row("official", i, te, ts, td, "")
+        diff = [float((images[("pack", i)] - images[("official", i)]).abs().nan_to_num(0).max()) * 255
+                for i in range(len(PROMPTS))]
+    print(json.dumps(dict(card=a.card, dynamic=a.dynamic, patcher=patcher_kind, load_s=load_s, pinned_layers=pinned,
+                          stock_vaedecode_s=stock_s, stock_vaedecode_same=stock_same, rows=rows,
+                          tiled=tiled, max_pixel_diff=diff)))
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m zimage_core.comfy_bench")
+    ap.add_argument("--comfy", default=os.environ.get("COMFYUI_PATH"), help="ComfyUI source tree")
+    ap.add_argument("--weights", required=True)
+    ap.add_argument("--cards", default="11.5,7.5,5.5", help="GiB left free, comma separated; 0: the whole GPU")
+    ap.add_argument("--dynamic", default="on,off")
+    ap.add_argument("--size", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--timeout", type=int, default=300, help="seconds per card and setting")
+    ap.add_argument("--cpu", action="store_true", help="run ComfyUI on the CPU (a functional check, no card)")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--card", type=float, help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    if not a.comfy:
+        sys.exit("give --comfy or set COMFYUI_PATH to a ComfyUI source tree")
+    if a.worker:
+        a.card = a.card or None
+        return worker(a)
+    results = []
+    for card in a.cards.split(","):
+        for dyn in a.dynamic.split(","):
+            cmd = [sys.executable, "-m", "zimage_core.comfy_bench", "--worker", "--comfy", a.comfy, "--weights",
+                   a.weights, "--card", card, "--dynamic", dyn, "--size", str(a.size), "--steps", str(a.steps)] + (["--cpu"] if a.cpu else [])
+            try:
+                r = subprocess.run(cmd, cwd=PACK_DIR, capture_output=True, text=True, timeout=a.timeout)
+            except subprocess.TimeoutExpired:
+                print(f"card {card} GiB, Dynamic VRAM {dyn}: timed out after {a.timeout} s", flush=True)
+                continue
+            if r.returncode:
+                print(f"card {card} GiB, Dynamic VRAM {dyn}: failed\n{r.stderr[-3000:]}", flush=True)
+                continue
+            res = json.loads(r.stdout.strip().splitlines()[-1])
+            results.append(res)
+            for w in res["rows"]:
+                print(f"{card:>5} GiB  dynamic {dyn:3}  {w['pipeline']:8} image {w['image']}  encode {w['encode']:.2f}  "
+                      f"sample {w['sample']:.2f}  decode {w['decode']:.2f}  total {w['total']:.2f}  "
+                      f"TE on GPU {w['te_on_gpu']:.0%}  tiled so far {w['tiled']}  {w['split']}", flush=True)
+            print(f"      stock VAEDecode of a pack latent {res['stock_vaedecode_s']:.2f} s, same as the pack's "
+                  f"decode: {res['stock_vaedecode_same']}; pack vs official max pixel difference "
+                  f"{', '.join(f'{d:.2f}' for d in res['max_pixel_diff'])} / 255", flush=True)
+    return results
+
+
+if __name__ == "__main__":
+    main()
