@@ -54,7 +54,7 @@ UNET = "z_image_turbo_bf16.safetensors"
 TE = "qwen_3_4b.safetensors"
 VAE = "ae.safetensors"
 TE_LAYERS = 2
-START_TIMEOUT = 180
+START_TIMEOUT = 120
 
 
 def _digest(*paths):
