@@ -148,3 +148,26 @@ def test_dropping_a_model_releases_its_host_buffers(tiny_file):
     del m
     gc.collect()
     assert host_memory.live_bytes() == before
+
+
+def test_set_weight_reaches_resident_and_streamed_layers_and_restores(tiny_file):
+    m = ZImageTransformer.load(tiny_file, device="cpu", dtype="fp32")
+    x, t, ctx = inputs(TINY)
+    m.prepare(64, 48, resident_layers=TINY.n_layers)
+    base = m(x, t, ctx)
+    keys = ["layers.0.attention.qkv.weight", f"layers.{TINY.n_layers - 1}.feed_forward.w2.weight",
+            "noise_refiner.0.feed_forward.w1.weight", "x_embedder.weight"]
+    for k in keys:
+        m.set_weight(k, m.base_weight(k) * 1.5)
+    patched = m(x, t, ctx)
+    assert not torch.equal(patched, base)
+    m.prepare(64, 48, resident_layers=0)
+    assert torch.equal(m(x, t, ctx), patched)
+    for k in keys:
+        m.set_weight(k, m.base_weight(k))
+    assert torch.equal(m(x, t, ctx), base)
+    m.prepare(64, 48, resident_layers=TINY.n_layers)
+    assert torch.equal(m(x, t, ctx), base)
+    shapes = m.state_dict()
+    assert shapes["layers.0.attention.qkv.weight"].is_meta and shapes["x_embedder.weight"].device.type == "cpu"
+    m.release()

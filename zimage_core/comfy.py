@@ -14,7 +14,9 @@ import logging
 
 import torch
 
+import comfy.float
 import comfy.ldm.modules.attention
+import comfy.lora
 import comfy.model_base
 import comfy.model_management as mm
 import comfy.model_patcher
@@ -26,6 +28,7 @@ from .transformer import STORAGE_DTYPES, ZImageTransformer
 
 log = logging.getLogger("zimage")
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+PREFIX = "diffusion_model."
 
 
 def comfy_attention(q, k, v, heads):
@@ -56,13 +59,50 @@ class ZImagePatcher(comfy.model_patcher.ModelPatcher):
         return planner.activation_bytes(t.cfg, w, h, b, dtype=t.dtype, storage=t.storage_dtype)
 
     def load(self, device_to=None, lowvram_model_memory=0, force_patch_weights=False, full_load=False, **kwargs):
-        """Fixed part to the GPU, then as many layers as the plan for the coming image allows.
-        ComfyUI has already freed what it could for us; the plan reads the real free memory."""
+        """Fixed part to the GPU, this patcher's weight patches in place, then as many layers as the
+        plan for the coming image allows. ComfyUI has already freed what it could for us; the plan
+        reads the real free memory."""
         t = self.zimage
         t.to_device()
+        self._apply_patches()
         w, h, b = getattr(t, "expected", (1024, 1024, 1))
         t.prepare(w, h, b)
         self._sync()
+
+    def partially_load(self, device_to, extra_memory=0, force_patch_weights=False):
+        """Every sampling run re-plans (promoting layers when memory came back) and brings this
+        clone's object and weight patches in."""
+        before = self.loaded_size()
+        self.unpatch_model(self.offload_device, unpatch_weights=False)
+        self.patch_model(device_to, lowvram_model_memory=0, load_weights=True)
+        return max(0, self.loaded_size() - before)
+
+    def _apply_patches(self):
+        """Weight patches (LoRA and the like) are computed once per patch set, from the file's
+        weights, exactly as ComfyUI's ModelPatcher computes them (compute dtype of the device,
+        stochastic rounding seeded by the key), and written into the host masters, so streamed
+        layers carry them too. Keys patched by a previous set and not by this one are restored."""
+        t = self.zimage
+        if getattr(t, "patches_uuid", None) == self.patches_uuid:
+            return
+        wanted = {k for k in self.patches if k.startswith(PREFIX)}
+        for key in sorted(wanted | getattr(t, "patched_keys", set())):
+            base = t.base_weight(key[len(PREFIX):])
+            if key in wanted:
+                temp = base.to(device=t.device, dtype=mm.lora_compute_dtype(t.device), copy=True)
+                out = comfy.lora.calculate_weight(self.patches[key], temp, key)
+                base = comfy.float.stochastic_rounding(out, base.dtype, seed=comfy.model_patcher.string_to_seed(key))
+            t.set_weight(key[len(PREFIX):], base)
+        t.patched_keys, t.patches_uuid = wanted, self.patches_uuid
+        if wanted:
+            log.info("Z-Image: %d weights patched", len(wanted))
+
+    def model_mmap_residency(self, free=False):
+        """(ComfyUI v0.20) The host copies are pinned buffers, not file mappings to bounce."""
+        return 0, 0
+
+    def pinned_memory_size(self):
+        return self.zimage.streamer.pool.used
 
     def partially_unload(self, device_to, memory_to_free=0, force_patch_weights=False):
         freed = self.zimage.evict(memory_to_free)
@@ -89,6 +129,17 @@ class ZImagePatcher(comfy.model_patcher.ModelPatcher):
         self.model.device = t.device if t.on_device else self.offload_device
 
 
+def unet_config(cfg):
+    """The unet_config ComfyUI's detection gives a Z-Image file (LoRA key maps read it)."""
+    return {"image_model": "lumina2", "patch_size": cfg.patch_size, "in_channels": cfg.in_channels,
+            "dim": cfg.dim, "n_layers": cfg.n_layers, "n_refiner_layers": cfg.n_refiner_layers,
+            "n_heads": cfg.n_heads, "n_kv_heads": cfg.n_heads, "multiple_of": 256,
+            "ffn_dim_multiplier": 8.0 / 3.0, "norm_eps": cfg.norm_eps, "qk_norm": True,
+            "cap_feat_dim": cfg.cap_feat_dim, "axes_dims": list(cfg.axes_dims), "axes_lens": [1536, 512, 512],
+            "rope_theta": cfg.rope_theta, "z_image_modulation": True, "time_scale": cfg.time_scale,
+            "pad_tokens_multiple": cfg.pad_multiple, "disable_unet_model_creation": True}
+
+
 def load_model(path, weight_dtype="default", max_resident=None, leave_free_gib=0.0):
     """A Z-Image MODEL backed by the streaming core; dtypes chosen as ComfyUI's UNETLoader does."""
     load_device = mm.get_torch_device()
@@ -96,8 +147,7 @@ def load_model(path, weight_dtype="default", max_resident=None, leave_free_gib=0
     ck = Checkpoint(path)  # header only: config, parameter count and storage dtype
     cfg, file_dtype = ck.config, ck.storage_dtype
     ck.close()
-    model_config = comfy.supported_models.ZImage({"image_model": "lumina2", "dim": cfg.dim,
-                                                  "disable_unet_model_creation": True})
+    model_config = comfy.supported_models.ZImage(unet_config(cfg))
     supported = list(model_config.supported_inference_dtypes)
     weight = file_dtype if weight_dtype == "default" else STORAGE_DTYPES[weight_dtype]
     unet_dtype = mm.unet_dtype(model_params=cfg.total_params(), supported_dtypes=supported, weight_dtype=weight)

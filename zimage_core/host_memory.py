@@ -91,6 +91,9 @@ class HostPool:
             _live += nbytes
         return buf
 
+    def holds(self, buf) -> bool:
+        return buf.data_ptr() in self._held
+
     def release_all(self):
         """Unlock every buffer; the memory itself goes when the last reference to it does."""
         _release(self._held, self.pin)

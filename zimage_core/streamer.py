@@ -83,9 +83,23 @@ class LayerStreamer:
             self.layout.fill(buf, self.sources[i])
             self.host[i] = buf
 
+    def ensure_host(self, i):
+        """A packed host master for layer i even past the pinning cap (then pageable memory):
+        a patched layer cannot be re-read from the file."""
+        if self.host[i] is None:
+            buf = self.pool.allocate(self.layout.numel, self.layout.dtype)
+            if buf is None:
+                buf = torch.empty(self.layout.numel, dtype=self.layout.dtype)
+            self.layout.fill(buf, self.sources[i])
+            self.host[i] = buf
+
+    def invalidate(self):
+        """Slots may hold stale copies: upload again at the next forward."""
+        self._primed = False
+
     @property
     def pinned_layers(self) -> int:
-        return sum(h is not None for h in self.host)
+        return sum(h is not None and self.pool.holds(h) for h in self.host)
 
     def _upload(self, i, dst):
         if self.host[i] is not None:

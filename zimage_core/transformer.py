@@ -48,6 +48,7 @@ class ZImageTransformer(torch.nn.Module):
         self._ratio = {}                      # tokens -> measured compute/copy time ratio
         model.runner = streamer
         self.fixed_bytes = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+        self.ckpt_keys = list(ckpt._index)
 
     @classmethod
     def load(cls, path, device="cuda", dtype="bf16", weight_dtype=None, pinned_cap=None, initial_device=None):
@@ -71,7 +72,9 @@ class ZImageTransformer(torch.nn.Module):
                 model = ZImageDiT(cfg, compute)
             dev = torch.device(device)
             home = torch.device(initial_device) if initial_device is not None else dev
-            state = {name: ckpt.tensor(name).to(device=home, dtype=compute) for name, _ in model.named_parameters()}
+            # copy=True: a parameter must never alias the mapped file, which stays the pristine base
+            state = {name: ckpt.tensor(name).to(device=home, dtype=compute, copy=True)
+                     for name, _ in model.named_parameters()}
             model.load_state_dict(state, assign=True)
             model.requires_grad_(False)  # inference only: no autograd graph keeps activations alive
             layout = PackLayout(cfg, storage)
@@ -211,6 +214,69 @@ class ZImageTransformer(torch.nn.Module):
         """Give back the device memory and every pinned host buffer."""
         self.offload()
         self.streamer.release()
+
+    # -- weights by canonical key (LoRA and other weight patches) ------------------------------
+
+    def _big_slot(self, key):
+        """(layer index or refiner name, matrix name) for a big matrix's canonical key, else None."""
+        parts = key.split(".")
+        names = {"attention.qkv": "qkv", "attention.out": "out", "feed_forward.w1": "w1",
+                 "feed_forward.w3": "w3", "feed_forward.w2": "w2"}
+        if len(parts) == 5 and parts[4] == "weight" and ".".join(parts[2:4]) in names:
+            owner = int(parts[1]) if parts[0] == "layers" else f"{parts[0]}.{parts[1]}"
+            return owner, names[".".join(parts[2:4])]
+        return None
+
+    def weight_shapes(self) -> dict:
+        """Canonical key -> (shape, dtype) of every weight, streamed matrices included."""
+        out = {k: (tuple(v.shape), v.dtype) for k, v in self.model.named_parameters()}
+        for key in self.ckpt_keys:
+            if key not in out:
+                slot = self._big_slot(key)
+                out[key] = (self.streamer.layout.shapes[slot[1]], self.storage_dtype)
+        return out
+
+    def state_dict(self, *args, destination=None, prefix="", keep_vars=False):
+        """Canonical (ComfyUI) key names. The streamed matrices appear as meta tensors: names and
+        shapes for weight-patch key maps, without copying gigabytes; their values live in the
+        host masters (``base_weight`` / ``set_weight``)."""
+        out = {} if destination is None else destination
+        for k, v in self.model.state_dict(keep_vars=keep_vars).items():
+            out[prefix + k] = v
+        for key, (shape, dtype) in self.weight_shapes().items():
+            out.setdefault(prefix + key, torch.empty(shape, dtype=dtype, device="meta"))
+        return out
+
+    def base_weight(self, key) -> torch.Tensor:
+        """The weight as loaded from the file (storage dtype for streamed matrices, compute dtype
+        for the rest), freshly read from the mapped file."""
+        slot = self._big_slot(key)
+        dtype = self.storage_dtype if slot else self.dtype
+        out = torch.empty(self.weight_shapes()[key][0], dtype=dtype)
+        for row, t in self.ckpt.pieces(key):
+            out[row:row + t.shape[0]].copy_(t)
+        return out
+
+    def set_weight(self, key, value: torch.Tensor):
+        """Replace a weight everywhere it lives: host master (packed first if the layer was only
+        file-backed), resident device copy, refiner buffer or parameter. Streamed layers pick the
+        new values up at their next upload."""
+        slot = self._big_slot(key)
+        if slot is None:
+            p = self.model.get_parameter(key)
+            p.data.copy_(value.to(p.device, p.dtype))
+            return
+        owner, name = slot
+        layout = self.streamer.layout
+        if isinstance(owner, str):
+            layout.region(getattr(self.model, owner.replace(".", "_")), name).copy_(value)
+            return
+        self.streamer.synchronize()
+        self.streamer.ensure_host(owner)
+        layout.region(self.streamer.host[owner], name).copy_(value)
+        if owner in self.streamer.resident:
+            layout.region(self.streamer.resident[owner], name).copy_(value)
+        self.streamer.invalidate()
 
     def _measure_ratio(self, tokens) -> float:
         """Compute time of one layer over upload time of one layer, timed on this device."""

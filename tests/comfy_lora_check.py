@@ -1,0 +1,152 @@
+"""LoRA on the pack's MODEL against ComfyUI's native Z-Image, in ComfyUI's own process (CPU, fp32).
+
+    python comfy_lora_check.py COMFYUI_PATH WEIGHTS OUT.json
+Prints nothing useful; writes the measurements the test asserts on.
+"""
+import json
+import logging
+import os
+import sys
+
+comfy_path, weights, out_path = sys.argv[1:4]
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, comfy_path)
+sys.argv = [sys.argv[0], "--cpu"]
+import comfy.options  # noqa: E402
+
+comfy.options.enable_args_parsing()
+import torch  # noqa: E402
+import comfy.model_base  # noqa: E402
+import comfy.model_management as mm  # noqa: E402
+import comfy.model_patcher  # noqa: E402
+import comfy.sd  # noqa: E402
+import comfy.supported_models  # noqa: E402
+import comfy.utils  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(HERE))
+from zimage_core import comfy as zc  # noqa: E402
+from zimage_core.checkpoint import Checkpoint  # noqa: E402
+from zimage_core.transformer import ZImageTransformer  # noqa: E402
+
+not_loaded = []
+
+
+class Watch(logging.Handler):
+    def emit(self, record):
+        if "NOT LOADED" in record.getMessage() or "lora key not loaded" in record.getMessage():
+            not_loaded.append(record.getMessage())
+
+
+logging.getLogger().addHandler(Watch())
+ck = Checkpoint(weights)
+cfg = ck.config
+shapes = {k: tuple(v.shape) for k, v in [(k, ck.tensor(k)) for k in ck._index]}
+ck.close()
+g = torch.Generator().manual_seed(5)
+R = 4
+
+
+def pair(out_dim, in_dim):
+    return (torch.randn(out_dim, R, generator=g) * 0.05, torch.randn(R, in_dim, generator=g) * 0.05)
+
+
+def lora_comfy(keys, alpha=2.0):
+    sd, merged = {}, {}
+    for k in keys:
+        up, down = pair(*shapes[k])
+        name = "lora_unet_" + k[:-len(".weight")].replace(".", "_")
+        sd[name + ".lora_up.weight"], sd[name + ".lora_down.weight"] = up, down
+        sd[name + ".alpha"] = torch.tensor(alpha)
+        merged[k] = (alpha / R) * (up @ down)
+    return sd, merged
+
+
+def lora_diffusers(layer, prefix):
+    """PEFT layout of the official / diffusers model: to_q, to_k, to_v land in the fused qkv."""
+    sd, merged = {}, {}
+    d = cfg.dim
+    qkv = torch.zeros(3 * d, d)
+    for j, n in enumerate(("to_q", "to_k", "to_v")):
+        up, down = pair(d, d)
+        sd[f"{prefix}layers.{layer}.attention.{n}.lora_B.weight"] = up
+        sd[f"{prefix}layers.{layer}.attention.{n}.lora_A.weight"] = down
+        qkv[j * d:(j + 1) * d] = up @ down
+    merged[f"layers.{layer}.attention.qkv.weight"] = qkv
+    up, down = pair(d, d)
+    sd[f"{prefix}layers.{layer}.attention.to_out.0.lora_B.weight"] = up
+    sd[f"{prefix}layers.{layer}.attention.to_out.0.lora_A.weight"] = down
+    merged[f"layers.{layer}.attention.out.weight"] = up @ down
+    return sd, merged
+
+
+def native_model():
+    uc = {k: v for k, v in zc.unet_config(cfg).items() if k != "disable_unet_model_creation"}
+    mc = comfy.supported_models.ZImage(uc)
+    mc.set_inference_dtype(torch.float32, None)
+    base = comfy.model_base.Lumina2(mc, device=None)
+    sd = comfy.utils.load_torch_file(weights)
+    base.load_model_weights(sd, "")
+    return comfy.model_patcher.ModelPatcher(base, load_device=mm.get_torch_device(), offload_device=mm.unet_offload_device())
+
+
+x = torch.randn(1, 16, 8, 10, generator=g)
+ctx = torch.randn(1, 7, cfg.cap_feat_dim, generator=g)
+sigma = torch.tensor([0.6])
+
+
+def run(patcher):
+    mm.load_models_gpu([patcher])
+    with torch.no_grad():
+        return patcher.model.apply_model(x, sigma, c_crossattn=ctx, num_tokens=7).float()
+
+
+def rel(a, b):
+    return float((a - b).norm() / b.norm())
+
+
+pack = zc.load_model(weights)
+native = native_model()
+results = {"dtype": str(pack.model_dtype())}
+base_out = run(pack)
+results["base_vs_native"] = rel(base_out, run(native))
+
+layers = [f"layers.{i}.{m}.weight" for i in range(cfg.n_layers) for m in
+          ("attention.qkv", "attention.out", "feed_forward.w1", "feed_forward.w2", "feed_forward.w3")]
+others = ["layers.0.adaLN_modulation.0.weight", "x_embedder.weight", "noise_refiner.0.feed_forward.w2.weight",
+          "context_refiner.0.attention.qkv.weight"]
+variants = {
+    "comfyui": lora_comfy(layers + others),
+    "diffusers": lora_diffusers(0, "diffusion_model."),
+    "trainer": lora_diffusers(cfg.n_layers - 1, "transformer."),
+}
+reference = ZImageTransformer.load(weights, device="cpu", dtype="fp32")
+reference.model.set_attention(zc.comfy_attention)
+for name, (sd, merged) in variants.items():
+    not_loaded.clear()
+    strength = 0.8
+    p = comfy.sd.load_lora_for_models(pack, None, sd, strength, 0)[0]
+    n = comfy.sd.load_lora_for_models(native, None, sd, strength, 0)[0]
+    out = run(p)
+    r = {"not_loaded": list(not_loaded), "vs_native": rel(out, run(n)), "changed": rel(out, base_out)}
+    for k, delta in merged.items():  # base + merged weights, computed here
+        reference.set_weight(k, reference.base_weight(k) + strength * delta)
+    reference.prepare(80, 64, resident_layers=cfg.n_layers)
+    ref_out = reference(x, sigma, ctx, 7).float()
+    r["vs_merged"] = rel(out, x - ref_out * sigma)  # apply_model returns the denoised latent
+    for k in merged:
+        reference.set_weight(k, reference.base_weight(k))
+    p.zimage.max_resident = 0  # the same LoRA with every layer streamed
+    streamed = run(p)
+    p.zimage.max_resident = None
+    r["streamed_equal"] = bool(torch.equal(streamed, out))
+    results[name] = r
+
+# stacking two LoRAs, then removing them
+sd1, _ = variants["comfyui"]
+sd2, _ = variants["diffusers"]
+p2 = comfy.sd.load_lora_for_models(comfy.sd.load_lora_for_models(pack, None, sd1, 0.5, 0)[0], None, sd2, 1.0, 0)[0]
+n2 = comfy.sd.load_lora_for_models(comfy.sd.load_lora_for_models(native, None, sd1, 0.5, 0)[0], None, sd2, 1.0, 0)[0]
+results["stacked_vs_native"] = rel(run(p2), run(n2))
+results["unpatched_equal_base"] = bool(torch.equal(run(pack), base_out))
+with open(out_path, "w") as f:
+    json.dump(results, f)
