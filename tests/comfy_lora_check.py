@@ -1,14 +1,14 @@
-"""LoRA on the pack's MODEL against ComfyUI's native Z-Image, in ComfyUI's own process (CPU, fp32).
+"""LoRA and fp8 on the pack's MODEL against ComfyUI's native Z-Image, in ComfyUI's own process (CPU).
 
-    python comfy_lora_check.py COMFYUI_PATH WEIGHTS OUT.json
-Prints nothing useful; writes the measurements the test asserts on.
+    python comfy_lora_check.py COMFYUI_PATH WEIGHTS FP8_WEIGHTS OUT.json
+Writes the measurements the test asserts on.
 """
 import json
 import logging
 import os
 import sys
 
-comfy_path, weights, out_path = sys.argv[1:4]
+comfy_path, weights, fp8_weights, out_path = sys.argv[1:5]
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, comfy_path)
 sys.argv = [sys.argv[0], "--cpu"]
@@ -79,12 +79,13 @@ def lora_diffusers(layer, prefix):
     return sd, merged
 
 
-def native_model():
+def native_model(path=weights, unet_dtype=torch.float32, manual_cast=None):
+    """What UNETLoader builds (its detection wants the full-size dim, so it is built directly)."""
     uc = {k: v for k, v in zc.unet_config(cfg).items() if k != "disable_unet_model_creation"}
     mc = comfy.supported_models.ZImage(uc)
-    mc.set_inference_dtype(torch.float32, None)
+    mc.set_inference_dtype(unet_dtype, manual_cast)
     base = comfy.model_base.Lumina2(mc, device=None)
-    sd = comfy.utils.load_torch_file(weights)
+    sd = comfy.utils.load_torch_file(path)
     base.load_model_weights(sd, "")
     return comfy.model_patcher.ModelPatcher(base, load_device=mm.get_torch_device(), offload_device=mm.unet_offload_device())
 
@@ -148,5 +149,15 @@ p2 = comfy.sd.load_lora_for_models(comfy.sd.load_lora_for_models(pack, None, sd1
 n2 = comfy.sd.load_lora_for_models(comfy.sd.load_lora_for_models(native, None, sd1, 0.5, 0)[0], None, sd2, 1.0, 0)[0]
 results["stacked_vs_native"] = rel(run(p2), run(n2))
 results["unpatched_equal_base"] = bool(torch.equal(run(pack), base_out))
+# fp8 e4m3fn storage: streamed as fp8, upcast for compute, against ComfyUI's fp8 + manual cast
+f8 = zc.load_model(fp8_weights)
+t8 = f8.zimage
+n8 = native_model(fp8_weights, torch.float8_e4m3fn, t8.dtype)
+out8 = run(f8)
+t8.max_resident = 0
+streamed8 = run(f8)
+results["fp8"] = {"storage": str(t8.storage_dtype), "compute": str(t8.dtype), "vs_native": rel(out8, run(n8)),
+                  "streamed_equal": bool(torch.equal(streamed8, out8)),
+                  "layer_bytes_ratio": pack.zimage.streamer.layout.nbytes / t8.streamer.layout.nbytes}
 with open(out_path, "w") as f:
     json.dump(results, f)
