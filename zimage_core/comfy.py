@@ -36,6 +36,19 @@ def comfy_attention(q, k, v, heads):
     return comfy.ldm.modules.attention.optimized_attention(q, k, v, heads, skip_reshape=True)
 
 
+class ZImageModel(comfy.model_base.Lumina2):
+    """ComfyUI's Lumina2 base model over the streamed transformer. Its memory estimate (what the
+    samplers ask before loading) is the transformer's activation estimate: ComfyUI's factor-based
+    one is several times larger and would make it evict layers for nothing. The call also tells
+    the transformer the size of the coming image, which its plan is for."""
+
+    def memory_required(self, input_shape, cond_shapes={}):
+        t = self.diffusion_model
+        b, h, w = input_shape[0], input_shape[-2] * 8, input_shape[-1] * 8
+        t.expected = (w, h, b)
+        return planner.activation_bytes(t.cfg, w, h, b, dtype=t.dtype, storage=t.storage_dtype)
+
+
 class ZImagePatcher(comfy.model_patcher.ModelPatcher):
     """ModelPatcher over a streamed Z-Image transformer. Clones (made by stock nodes such as
     ModelSamplingAuraFlow or LoRA loaders) share the transformer through ``self.model``."""
@@ -50,14 +63,6 @@ class ZImagePatcher(comfy.model_patcher.ModelPatcher):
     def loaded_size(self):
         return self.zimage.device_bytes()
 
-    def memory_required(self, input_shape):
-        """Activation memory of a step for this latent shape (ComfyUI's factor-based estimate is
-        several times larger and would make it evict layers for nothing)."""
-        t = self.zimage
-        b, h, w = input_shape[0], input_shape[-2] * 8, input_shape[-1] * 8
-        t.expected = (w, h, b)
-        return planner.activation_bytes(t.cfg, w, h, b, dtype=t.dtype, storage=t.storage_dtype)
-
     def load(self, device_to=None, lowvram_model_memory=0, force_patch_weights=False, full_load=False, **kwargs):
         """Fixed part to the GPU, this patcher's weight patches in place, then as many layers as the
         plan for the coming image allows. ComfyUI has already freed what it could for us; the plan
@@ -65,8 +70,7 @@ class ZImagePatcher(comfy.model_patcher.ModelPatcher):
         t = self.zimage
         t.to_device()
         self._apply_patches()
-        w, h, b = getattr(t, "expected", (1024, 1024, 1))
-        t.prepare(w, h, b)
+        t.prepare(*t.expected)
         self._sync()
 
     def partially_load(self, device_to, extra_memory=0, force_patch_weights=False):
@@ -163,6 +167,6 @@ def load_model(path, weight_dtype="default", max_resident=None, leave_free_gib=0
     t.model.set_attention(comfy_attention)
     t.max_resident = max_resident
     t.leave_free = int(leave_free_gib * planner.GiB)
-    base = comfy.model_base.Lumina2(model_config, device=None)
+    base = ZImageModel(model_config, device=None)
     base.diffusion_model = t
     return ZImagePatcher(base, load_device=load_device, offload_device=offload_device)

@@ -45,6 +45,8 @@ class ZImageTransformer(torch.nn.Module):
         self.on_split_change = None           # callback(str) for the one-line status
         self.max_resident: int | None = None  # user's cap on resident layers (None: as many as fit)
         self.leave_free = 0                   # bytes of device memory the plan leaves to others
+        self.expected = (1024, 1024, 1)       # (width, height, batch) of the coming image, for the plan
+        self._last_status = None
         self._ratio = {}                      # tokens -> measured compute/copy time ratio
         model.runner = streamer
         self.fixed_bytes = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
@@ -173,10 +175,10 @@ class ZImageTransformer(torch.nn.Module):
             raise OutOfDeviceMemory(p.summary() + ". Lower the image size or free GPU memory.")
         self.plan = p
         self._set_split(p.resident_layers, p.slots)
+        self._announce()
         return p
 
     def _set_split(self, resident, slots):
-        before = (self.streamer.n_resident, len(self.streamer.slots))
         while True:
             try:
                 self.streamer.configure(resident, slots)
@@ -186,13 +188,17 @@ class ZImageTransformer(torch.nn.Module):
                     raise
                 resident -= 1
                 slots = max(slots, 2)
-        if (self.streamer.n_resident, len(self.streamer.slots)) != before:
-            self._announce()
 
     def _announce(self):
+        """The one-line status, once per change of split or image size."""
         n, r = self.cfg.n_layers, self.streamer.n_resident
-        size = f" ({self.plan.width}x{self.plan.height})" if self.plan else ""
+        size = ""
+        if self.plan:
+            size = f" ({self.plan.width}x{self.plan.height}{'' if self.plan.batch == 1 else f', batch {self.plan.batch}'})"
         msg = f"Z-Image: {r} of {n} layers on the GPU, {n - r} streamed{size}"
+        if msg == self._last_status:
+            return
+        self._last_status = msg
         log.info(msg)
         if self.on_split_change:
             self.on_split_change(msg)
