@@ -40,7 +40,7 @@ class Watch(logging.Handler):
 logging.getLogger().addHandler(Watch())
 ck = Checkpoint(weights)
 cfg = ck.config
-shapes = {k: tuple(v.shape) for k, v in [(k, ck.tensor(k)) for k in ck._index]}
+shapes = {k: tuple(v.shape) for k, v in [(k, ck.tensor(k)) for k in ck.keys()]}
 ck.close()
 g = torch.Generator().manual_seed(5)
 R = 4

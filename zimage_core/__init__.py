@@ -2,9 +2,9 @@
 Imports only torch (and the standard library); ComfyUI is met in ``zimage_core.comfy``."""
 from .checkpoint import Checkpoint
 from .config import ZImageConfig
-from .errors import CheckpointError, HostMemoryError, OutOfDeviceMemory, ZImageError
+from .errors import CheckpointError, OutOfDeviceMemory, ZImageError
 from .planner import Plan, plan
 from .transformer import ZImageTransformer
 
-__all__ = ["Checkpoint", "ZImageConfig", "CheckpointError", "HostMemoryError", "OutOfDeviceMemory",
-           "ZImageError", "Plan", "plan", "ZImageTransformer"]
+__all__ = ["Checkpoint", "ZImageConfig", "CheckpointError", "OutOfDeviceMemory", "ZImageError", "Plan", "plan",
+           "ZImageTransformer"]

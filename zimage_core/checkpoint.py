@@ -90,6 +90,10 @@ class Checkpoint:
 
     # -- reading -----------------------------------------------------------------------------
 
+    def keys(self) -> list:
+        """Every canonical key the file provides."""
+        return list(self._index)
+
     def pieces(self, key):
         """[(row_offset, tensor view)] that make up canonical ``key``."""
         return [(row, f.tensor(k)) for row, f, k in self._index[key]]

@@ -87,10 +87,10 @@ class ZImagePatcher(comfy.model_patcher.ModelPatcher):
         stochastic rounding seeded by the key), and written into the host masters, so streamed
         layers carry them too. Keys patched by a previous set and not by this one are restored."""
         t = self.zimage
-        if getattr(t, "patches_uuid", None) == self.patches_uuid:
+        if t.patches_uuid == self.patches_uuid:
             return
         wanted = {k for k in self.patches if k.startswith(PREFIX)}
-        for key in sorted(wanted | getattr(t, "patched_keys", set())):
+        for key in sorted(wanted | t.patched_keys):
             base = t.base_weight(key[len(PREFIX):])
             if key in wanted:
                 temp = base.to(device=t.device, dtype=mm.lora_compute_dtype(t.device), copy=True)

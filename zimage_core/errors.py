@@ -18,7 +18,3 @@ class CheckpointError(ZImageError):
 
 class OutOfDeviceMemory(ZImageError):
     """Not even a fully streamed transformer fits next to the activations."""
-
-
-class HostMemoryError(ZImageError):
-    """Host RAM cannot hold what must be kept there."""

@@ -9,7 +9,6 @@ during a forward evicts one more layer and runs the forward again.
 from __future__ import annotations
 
 import logging
-import time
 
 import torch
 
@@ -47,10 +46,12 @@ class ZImageTransformer(torch.nn.Module):
         self.leave_free = 0                   # bytes of device memory the plan leaves to others
         self.expected = (1024, 1024, 1)       # (width, height, batch) of the coming image, for the plan
         self._last_status = None
+        self.patches_uuid = None              # id of the weight-patch set (LoRA) now in the weights
+        self.patched_keys: set = set()        # canonical keys that set changed (prefixed as patched)
         self._ratio = {}                      # tokens -> measured compute/copy time ratio
         model.runner = streamer
         self.fixed_bytes = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
-        self.ckpt_keys = list(ckpt._index)
+        self.ckpt_keys = ckpt.keys()
 
     @classmethod
     def load(cls, path, device="cuda", dtype="bf16", weight_dtype=None, pinned_cap=None, initial_device=None):
@@ -257,8 +258,10 @@ class ZImageTransformer(torch.nn.Module):
         """The weight as loaded from the file (storage dtype for streamed matrices, compute dtype
         for the rest), freshly read from the mapped file."""
         slot = self._big_slot(key)
-        dtype = self.storage_dtype if slot else self.dtype
-        out = torch.empty(self.weight_shapes()[key][0], dtype=dtype)
+        if slot:
+            out = torch.empty(self.streamer.layout.shapes[slot[1]], dtype=self.storage_dtype)
+        else:
+            out = torch.empty(self.model.get_parameter(key).shape, dtype=self.dtype)
         for row, t in self.ckpt.pieces(key):
             out[row:row + t.shape[0]].copy_(t)
         return out
