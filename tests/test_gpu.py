@@ -32,3 +32,16 @@ def test_planned_split_uses_free_memory(tiny_file):
     p = m.prepare(256, 256)
     assert p.streamed_layers == 0  # a tiny model fits any GPU
     m.release()
+
+
+def test_offload_frees_the_device_and_comes_back_identical(tiny_file):
+    m = ZImageTransformer.load(tiny_file, device="cuda", initial_device="cpu")
+    assert not m.on_device and m.device_bytes() == 0
+    x, _, ctx = inputs(TINY, width=128, height=96)
+    out = euler_sample(m, x.cuda(), ctx.cuda(), steps=2)
+    assert m.on_device and m.device_bytes() > 0
+    before = torch.cuda.memory_allocated()
+    m.offload()
+    assert m.device_bytes() == 0 and torch.cuda.memory_allocated() < before
+    assert torch.equal(euler_sample(m, x.cuda(), ctx.cuda(), steps=2), out)
+    m.release()

@@ -32,10 +32,56 @@ def _layer_pieces(ckpt: Checkpoint, prefix: str) -> dict:
     return {n: ckpt.pieces(f"{prefix}{k}.weight") for n, k in names.items()}
 
 
+class _FixedPart:
+    """The never-streamed tensors (embedders, refiners, norms, adaLN) in one host master per dtype,
+    pinned when the pool allows, of which the module's parameters and buffers are views until
+    ``place(device)`` gives them device copies (``place(None)``: back to the masters, no copy)."""
+
+    def __init__(self, model: ZImageDiT, pool: HostPool):
+        self.model = model
+        self.entries = [(m, kind, name) for m in model.modules() for kind in ("_parameters", "_buffers")
+                        for name, v in getattr(m, kind).items() if v is not None]
+        self.masters = {}
+        by_dtype = {}
+        for m, kind, name in self.entries:
+            by_dtype.setdefault(getattr(m, kind)[name].dtype, []).append((m, kind, name))
+        self.nbytes = 0
+        for dtype, items in by_dtype.items():
+            n = sum(getattr(m, kind)[name].numel() for m, kind, name in items)
+            flat = pool.allocate(n, dtype)
+            flat = torch.empty(n, dtype=dtype) if flat is None else flat
+            self.nbytes += n * dtype.itemsize
+            o = 0
+            for m, kind, name in items:
+                t = getattr(m, kind)[name]
+                view = flat[o:o + t.numel()].view(t.shape)
+                view.copy_(t)
+                self.masters[(id(m), name)] = view
+                o += t.numel()
+        self.place(None)
+
+    def place(self, device):
+        for m, kind, name in self.entries:
+            master = self.masters[(id(m), name)]
+            t = master if device is None else master.to(device, non_blocking=True)
+            if kind == "_parameters":
+                m._parameters[name] = torch.nn.Parameter(t, requires_grad=False)
+            else:
+                m._buffers[name] = t
+
+    def views(self, key):
+        """The host master and, when placed elsewhere, the device copy of parameter or buffer ``key``."""
+        module_path, _, name = key.rpartition(".")
+        m = self.model.get_submodule(module_path) if module_path else self.model
+        current = m._parameters.get(name) if name in m._parameters else m._buffers[name]
+        master = self.masters[(id(m), name)]
+        return [master] if current.data_ptr() == master.data_ptr() else [master, current.data]
+
+
 class ZImageTransformer(torch.nn.Module):
-    def __init__(self, model: ZImageDiT, streamer: LayerStreamer, ckpt: Checkpoint):
+    def __init__(self, model: ZImageDiT, streamer: LayerStreamer, ckpt: Checkpoint, fixed: "_FixedPart"):
         super().__init__()
-        self.model, self.streamer, self.ckpt = model, streamer, ckpt
+        self.model, self.streamer, self.ckpt, self.fixed = model, streamer, ckpt, fixed
         self.cfg: ZImageConfig = model.cfg
         self.dtype = model.dtype
         self.device = streamer.device
@@ -50,7 +96,7 @@ class ZImageTransformer(torch.nn.Module):
         self.patched_keys: set = set()        # canonical keys that set changed (prefixed as patched)
         self._ratio = {}                      # tokens -> measured compute/copy time ratio
         model.runner = streamer
-        self.fixed_bytes = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+        self.fixed_bytes = fixed.nbytes
         self.ckpt_keys = ckpt.keys()
 
     @classmethod
@@ -76,26 +122,30 @@ class ZImageTransformer(torch.nn.Module):
             dev = torch.device(device)
             home = torch.device(initial_device) if initial_device is not None else dev
             # copy=True: a parameter must never alias the mapped file, which stays the pristine base
-            state = {name: ckpt.tensor(name).to(device=home, dtype=compute, copy=True)
-                     for name, _ in model.named_parameters()}
+            state = {name: ckpt.tensor(name).to(dtype=compute, copy=True) for name, _ in model.named_parameters()}
             model.load_state_dict(state, assign=True)
             model.requires_grad_(False)  # inference only: no autograd graph keeps activations alive
             layout = PackLayout(cfg, storage)
             model.layout = layout
             for stem in ("noise_refiner", "context_refiner"):
                 for i in range(cfg.n_refiner_layers):
-                    flat = torch.empty(layout.numel, dtype=storage, device=home)
+                    flat = torch.empty(layout.numel, dtype=storage)
                     layout.fill(flat, _layer_pieces(ckpt, f"{stem}.{i}."))
                     model.add_refiner(f"{stem}.{i}", flat)
             pool = HostPool(pinned_cap if pinned_cap is not None else HostPool.environment_cap(),
                             pin=dev.type == "cuda")
             streamer = LayerStreamer(layout, [_layer_pieces(ckpt, f"layers.{i}.") for i in range(cfg.n_layers)],
                                      dev, pool)
+            fixed = _FixedPart(model, pool)
             streamer.pin_trailing()
             if streamer.pinned_layers < cfg.n_layers:
                 log.warning("Z-Image: %d of %d layers fit under the pinned-memory cap of %.1f GiB; the rest "
                             "upload from the memory-mapped file (slower when they stream).",
                             streamer.pinned_layers, cfg.n_layers, pool.cap / planner.GiB)
+            t = cls(model, streamer, ckpt, fixed)
+            if home == dev:
+                t.to_device()
+            return t
         except torch.OutOfMemoryError:
             if pool is not None:
                 pool.release_all()
@@ -108,7 +158,6 @@ class ZImageTransformer(torch.nn.Module):
                 pool.release_all()
             ckpt.close()
             raise
-        return cls(model, streamer, ckpt)
 
     # -- memory ------------------------------------------------------------------------------
 
@@ -130,17 +179,18 @@ class ZImageTransformer(torch.nn.Module):
         return (self.fixed_bytes if self.on_device else 0) + self.streamer.device_bytes
 
     def to_device(self):
-        """Bring the fixed part (embedders, refiners, norms, adaLN) to the compute device."""
+        """Bring the fixed part (embedders, refiners, norms, adaLN) to the compute device: one
+        upload from its pinned host master."""
         if not self.on_device:
-            self.model.to(self.device)
+            self.fixed.place(self.device)
 
     def offload(self, device="cpu"):
-        """Free every byte this model holds on the device; the host masters stay pinned."""
+        """Free every byte this model holds on the device. Nothing is copied back: the fixed part
+        and the layers have pinned host masters."""
         self.streamer.configure(0, 0)
-        if self.on_device and self.device != torch.device(device):
-            self.model.to(device)
-            if self.device.type == "cuda":
-                torch.cuda.empty_cache()
+        if self.on_device and self.device.type != "cpu":
+            self.fixed.place(None)
+            torch.cuda.empty_cache()
 
     def free_bytes(self) -> int:
         """Device memory this model could use: what is free plus its own layers and slots."""
@@ -271,15 +321,13 @@ class ZImageTransformer(torch.nn.Module):
         file-backed), resident device copy, refiner buffer or parameter. Streamed layers pick the
         new values up at their next upload."""
         slot = self._big_slot(key)
-        if slot is None:
-            p = self.model.get_parameter(key)
-            p.data.copy_(value.to(p.device, p.dtype))
+        if slot is None or isinstance(slot[0], str):  # a parameter or a refiner matrix: the fixed part
+            for target in self.fixed.views(key if slot is None else slot[0].replace(".", "_")):
+                region = target if slot is None else self.streamer.layout.region(target, slot[1])
+                region.copy_(value)
             return
         owner, name = slot
         layout = self.streamer.layout
-        if isinstance(owner, str):
-            layout.region(getattr(self.model, owner.replace(".", "_")), name).copy_(value)
-            return
         self.streamer.synchronize()
         self.streamer.ensure_host(owner)
         layout.region(self.streamer.host[owner], name).copy_(value)
