@@ -371,3 +371,18 @@ def test_broken_model_file(comfy_server, comfy_base_dir, kind):
     assert any(w in lower for w in ("truncated", "not a safetensors", "not a .safetensors")), msg
     assert any(w in lower for w in ("download", "copy", "use a", "pick", "replace")), f"no fix suggested: {msg}"
     assert "Traceback" not in msg
+
+
+def test_free_releases_host_memory(comfy_server, pack_run):
+    """'Unload models' + 'Free model and node cache' drops the MODEL: its pinned host memory goes
+    (the log says so), and the next prompt loads it again. Runs last: it empties the caches."""
+    released = lambda: comfy_server.log_text().count("Z-Image: released")  # noqa: E731
+    before = released()
+    status, raw, _ = comfy_server.request("POST", "/free", {"unload_models": True, "free_memory": True})
+    assert status == 200, raw[:300]
+    deadline = time.monotonic() + 90  # ComfyUI frees between prompts and collects garbage within ~10 s
+    while released() == before and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert released() > before, comfy_server.log_tail()
+    entry = comfy_server.run(pack_workflow(prefix="after_free"))
+    assert entry["status"]["completed"]

@@ -7,6 +7,7 @@ total, which the tests use to check that failures leave nothing behind.
 """
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import weakref
@@ -55,12 +56,16 @@ def _release(held: dict, pin: bool):
     from ``release_all`` or, when a pool is dropped without it, from the pool's finalizer:
     before the buffers' memory is freed, so no freed page stays registered with CUDA."""
     global _live
+    total = sum(held.values())
     for ptr, nbytes in held.items():
         if pin:
             torch.cuda.cudart().cudaHostUnregister(ptr)
         with _lock:
             _live -= nbytes
     held.clear()
+    if total:
+        logging.getLogger("zimage").info("Z-Image: released %.2f GiB of %s host memory", total / (1 << 30),
+                                         "pinned" if pin else "reserved")
 
 
 class HostPool:
