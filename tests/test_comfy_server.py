@@ -373,10 +373,11 @@ def test_broken_model_file(comfy_server, comfy_base_dir, kind):
     assert "Traceback" not in msg
 
 
-def test_free_releases_host_memory(comfy_server, pack_run):
+def test_free_releases_host_memory(comfy_server):
     """'Unload models' + 'Free model and node cache' drops the MODEL: its pinned host memory goes
     (the log says so), and the next prompt loads it again. Runs last: it empties the caches."""
     released = lambda: comfy_server.log_text().count("Z-Image: released")  # noqa: E731
+    comfy_server.run(pack_workflow(prefix="before_free"))  # a MODEL in the cache, whatever ran before
     before = released()
     status, raw, _ = comfy_server.request("POST", "/free", {"unload_models": True, "free_memory": True})
     assert status == 200, raw[:300]
