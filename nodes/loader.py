@@ -44,5 +44,5 @@ class ZImageModelLoader(io.ComfyNode):
                                   leave_free_gib=leave_free_gb if vram == "leave_free_gb" else 0.0)
         t = model.zimage
         show(node_id(cls), f"Z-Image: {unet_name}: {t.cfg.n_layers} layers, "
-                                   f"{t.streamer.pinned_layers} pinned in host memory")
+                           f"{t.streamer.pinned_layers} pinned in host memory")
         return io.NodeOutput(model)

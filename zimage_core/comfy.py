@@ -24,10 +24,10 @@ import comfy.supported_models
 
 from . import planner
 from .checkpoint import Checkpoint
-from .transformer import STORAGE_DTYPES, ZImageTransformer
+from .transformer import COMPUTE_DTYPES, STORAGE_DTYPES, ZImageTransformer
 
 log = logging.getLogger("zimage")
-_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+_DTYPE_NAMES = {v: k for k, v in COMPUTE_DTYPES.items()}
 PREFIX = "diffusion_model."
 
 
@@ -110,10 +110,6 @@ class ZImagePatcher(comfy.model_patcher.ModelPatcher):
 
     def partially_unload(self, device_to, memory_to_free=0, force_patch_weights=False):
         freed = self.zimage.evict(memory_to_free)
-        if freed and self.zimage.device.type == "cuda":
-            # hand the layers' blocks back to the driver: what comes next (a VAE decode, the
-            # text encoder) allocates other sizes, which cached 338 MB blocks cannot serve
-            torch.cuda.empty_cache()
         self._sync()
         log.info("Z-Image: made room for another model: %.2f GiB freed (%d layers stay on the GPU)",
                  freed / planner.GiB, self.zimage.streamer.n_resident)
@@ -161,7 +157,7 @@ def load_model(path, weight_dtype="default", max_resident=None, leave_free_gib=0
         compute = torch.bfloat16
     model_config.set_inference_dtype(unet_dtype, manual_cast)
     storage = weight if weight == torch.float8_e4m3fn else compute
-    storage_name = next(k for k, v in STORAGE_DTYPES.items() if v == storage)
+    storage_name = {v: k for k, v in STORAGE_DTYPES.items()}[storage]
     t = ZImageTransformer.load(path, device=load_device, dtype=_DTYPE_NAMES[compute], weight_dtype=storage_name,
                                initial_device=offload_device)
     t.model.set_attention(comfy_attention)

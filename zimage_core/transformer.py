@@ -263,6 +263,10 @@ class ZImageTransformer(torch.nn.Module):
         if start - self.device_bytes() < nbytes:
             self.offload()
         freed = start - self.device_bytes()
+        if freed and self.device.type == "cuda":
+            # hand the blocks back to the driver: whoever asked for the room allocates other sizes,
+            # which cached layer-sized blocks cannot serve
+            torch.cuda.empty_cache()
         if freed and self.streamer.n_resident + len(self.streamer.slots):
             self._announce()
         return freed
