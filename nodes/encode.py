@@ -1,5 +1,6 @@
 from comfy_api.latest import io
 
+from ..zimage_core import comfy as zcomfy
 from .status import node_id, show
 
 
@@ -11,7 +12,8 @@ class ZImageTextEncode(io.ComfyNode):
             display_name="Z-Image Text Encode",
             category="Z-Image",
             description="Encodes a prompt with Qwen3-4B (CLIPLoader, type lumina2) in Z-Image's chat template. "
-                        "The text encoder runs on the GPU; its room comes from evicted transformer layers.",
+                        "The text encoder runs on the GPU with its layers streamed from pinned memory, so it "
+                        "needs about 1 GB there and the transformer stays loaded.",
             inputs=[
                 io.Clip.Input("clip"),
                 io.String.Input("text", multiline=True, dynamic_prompts=True),
@@ -25,6 +27,5 @@ class ZImageTextEncode(io.ComfyNode):
         if clip is None:
             raise RuntimeError("Z-Image Text Encode got no text encoder: connect a CLIPLoader with "
                                "qwen_3_4b.safetensors and type lumina2.")
-        tokens = clip.tokenize(text)
         show(node_id(cls), "Z-Image: encoding the prompt")
-        return io.NodeOutput(clip.encode_from_tokens_scheduled(tokens))
+        return io.NodeOutput(zcomfy.encode(clip, text))

@@ -11,6 +11,7 @@ cheap way, and stock samplers, ``VAEDecode`` and LoRA loaders see an ordinary MO
 from __future__ import annotations
 
 import logging
+import weakref
 
 import torch
 
@@ -24,6 +25,8 @@ import comfy.supported_models
 
 from . import planner
 from .checkpoint import Checkpoint
+from .host_memory import HostPool
+from .stack_streaming import StreamedStack, UnsupportedStack
 from .transformer import COMPUTE_DTYPES, STORAGE_DTYPES, ZImageTransformer
 
 log = logging.getLogger("zimage")
@@ -127,6 +130,97 @@ class ZImagePatcher(comfy.model_patcher.ModelPatcher):
         self.model.model_loaded_weight_memory = t.device_bytes()
         self.model.model_lowvram = t.streamer.n_streamed > 0 or not t.on_device
         self.model.device = t.device if t.on_device else self.offload_device
+
+
+class TextEncoderPatcher(comfy.model_patcher.ModelPatcher):
+    """A CLIP's text encoder as ComfyUI sees it while its decoder layers stream: a model whose size
+    is what it needs on the GPU (embeddings, final norm, a few layer slots: about 1 GB for
+    Qwen3-4B), so making room for it evicts a few transformer layers instead of all of them, and
+    unloading it is free (its host masters stay)."""
+
+    def __init__(self, clip_patcher, stack: StreamedStack):
+        super().__init__(clip_patcher.model, clip_patcher.load_device, clip_patcher.offload_device,
+                         size=stack.loaded_bytes)
+        self.stack = stack
+
+    def model_size(self):
+        return self.stack.loaded_bytes
+
+    def loaded_size(self):
+        return self.stack.device_bytes()
+
+    def load(self, device_to=None, lowvram_model_memory=0, force_patch_weights=False, full_load=False, **kwargs):
+        self.stack.load()
+
+    def partially_load(self, device_to, extra_memory=0, force_patch_weights=False):
+        before = self.loaded_size()
+        self.stack.load()
+        return self.loaded_size() - before
+
+    def partially_unload(self, device_to, memory_to_free=0, force_patch_weights=False):
+        return self.stack.unload()
+
+    def unpatch_model(self, device_to=None, unpatch_weights=True):
+        super().unpatch_model(device_to, unpatch_weights=False)
+        if unpatch_weights:
+            self.stack.unload()
+
+    def model_mmap_residency(self, free=False):
+        return 0, 0
+
+    def pinned_memory_size(self):
+        return self.stack.pool.used
+
+
+# one streamed text encoder per CLIP patcher, alive as long as that patcher (and its model) is
+_text_encoders: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _loaded_by_comfy(clip) -> bool:
+    """ComfyUI holds the text encoder's weights on the GPU now (never true on a CPU-only setup,
+    where loading moves nothing)."""
+    p = clip.patcher
+    return p.load_device != p.offload_device and any(
+        lm.model is p and p.loaded_size() > 0 for lm in mm.current_loaded_models)
+
+
+def streamed_text_encoder(clip):
+    """The CLIP with its text encoder streamed, or None where ComfyUI's own path must run it:
+    weight patches or hooks on the text encoder (a LoRA), the text encoder already loaded by
+    ComfyUI, or a model whose layers cannot be streamed (a quantized format)."""
+    p = clip.patcher
+    if p.patches or getattr(p, "forced_hooks", None) is not None or _loaded_by_comfy(clip):
+        return None
+    if any(hasattr(m, "_v") for m in clip.cond_stage_model.modules()):
+        return None  # ComfyUI's Dynamic VRAM loader has prepared these weights as its own
+    te = _text_encoders.get(p)
+    if te is None:
+        try:
+            # on the CPU the model's own tensors are the masters: no packed copy
+            pool = HostPool(0 if torch.device(p.load_device).type == "cpu" else None)
+            stack = StreamedStack(clip.cond_stage_model, p.load_device, pool)
+        except UnsupportedStack as e:
+            log.info("Z-Image: the text encoder runs through ComfyUI's loader: %s", e)
+            return None
+        te = _text_encoders[p] = TextEncoderPatcher(p, stack)
+        log.info("Z-Image: text encoder streamed: %d layers through %d slots, %.2f GiB on the device",
+                 len(stack.layers), stack.n_slots, stack.loaded_bytes / planner.GiB)
+    n = clip.clone()
+    n.patcher = te
+    return n
+
+
+def encode(clip, text):
+    """CONDITIONING for ``text``: ComfyUI's own encode, with the text encoder's decoder layers
+    streamed when that is possible. Its weights, kernels and dtypes are the model's own, so the
+    conditioning is the one ComfyUI computes with the text encoder loaded whole."""
+    tokens = clip.tokenize(text)
+    streamed = streamed_text_encoder(clip)
+    if streamed is None:
+        return clip.encode_from_tokens_scheduled(tokens)
+    mm.load_models_gpu([streamed.patcher])  # room first, through the model manager
+    with streamed.patcher.stack.running():
+        return streamed.encode_from_tokens_scheduled(tokens)
 
 
 def unet_config(cfg):

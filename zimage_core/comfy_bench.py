@@ -54,6 +54,27 @@ def _comfy_init(comfy_path, dynamic, cpu):
     return getattr(comfy.model_patcher, "CoreModelPatcher", comfy.model_patcher.ModelPatcher).__name__
 
 
+def _write_lora(folder, rank):
+    """A random ComfyUI-layout LoRA on the five matrices of every main layer of the file."""
+    import torch
+    from safetensors.torch import save_file
+    from .checkpoint import Checkpoint
+    ck = Checkpoint(os.path.join(folder, "z_image_turbo_bf16.safetensors"))
+    g = torch.Generator().manual_seed(0)
+    sd = {}
+    for k in ck.keys():
+        if k.startswith("layers.") and k.endswith(("qkv.weight", "out.weight", "w1.weight", "w2.weight", "w3.weight")):
+            out_dim, in_dim = ck.tensor(k).shape
+            name = "lora_unet_" + k[:-len(".weight")].replace(".", "_")
+            sd[name + ".lora_up.weight"] = (torch.randn(out_dim, rank, generator=g) * 0.01).to(torch.bfloat16)
+            sd[name + ".lora_down.weight"] = (torch.randn(rank, in_dim, generator=g) * 0.01).to(torch.bfloat16)
+            sd[name + ".alpha"] = torch.tensor(float(rank))
+    ck.close()
+    name = f"zimage_bench_lora_r{rank}.safetensors"
+    save_file(sd, os.path.join(folder, name))
+    return name
+
+
 def worker(a):
     from .bench import simulated_card
     with simulated_card(a.card):
@@ -91,32 +112,77 @@ def worker(a):
         vae = nodes.VAELoader().load_vae("ae.safetensors")[0]
         rows, images = [], {}
 
+        from . import comfy as zcomfy
+
+        def encode(node, pack_node):
+            """The encode node's time and where the text encoder ran: streamed (its GiB on the GPU)
+            or loaded by ComfyUI (the share of it on the GPU)."""
+            cond, t = timed(node)
+            te = zcomfy._text_encoders.get(clip.patcher)
+            if pack_node and te is not None and te.loaded_size():
+                te_where.append(f"streamed, {te.loaded_size() / 2**30:.2f} GiB on GPU")
+            else:
+                te_where.append(f"ComfyUI, {clip.patcher.loaded_size() / clip.patcher.model_size():.0%} on GPU")
+            return cond, t
+
+        te_where = []
+
         def row(pipeline, i, te, ts, td, split):
             p = clip.patcher
             rows.append(dict(pipeline=pipeline, image=i + 1, encode=te, sample=ts, decode=td, total=te + ts + td,
-                             te_on_gpu=p.loaded_size() / p.model_size(), split=split, tiled=len(tiled)))
+                             text_encoder=te_where[-1], split=split, tiled=len(tiled)))
             print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
 
         model, load_s = timed(lambda: pack.ZImageModelLoader.execute(
             "z_image_turbo_bf16.safetensors", "default", "auto", 30, 0.0).result[0])
         for i, prompt in enumerate(PROMPTS):
-            cond, te = timed(lambda: pack.ZImageTextEncode.execute(clip, prompt).result[0])
+            cond, te = encode(lambda: pack.ZImageTextEncode.execute(clip, prompt).result[0], True)
             lat, ts = timed(lambda: pack.ZImageSampler.execute(model, cond, a.size, a.size, 1, 42, a.steps, 1.0, 3.0,
                                                                "res_multistep", "simple").result[0])
             s = model.zimage.streamer
             split = f"{s.n_resident} resident, {len(s.slots)} slots"
             images[("pack", i)], td = timed(lambda: pack.ZImageDecode.execute(vae, lat).result[0])
             row("pack", i, te, ts, td, split)
-        stock, stock_s = timed(lambda: nodes.VAEDecode().decode(vae, lat)[0])
+        free_before = mm.get_free_memory(mm.get_torch_device())
+        seen = []
+
+        class Seen(logging.Handler):
+            def emit(self, record):
+                seen.append(record.getMessage()[:200])
+
+        watch = Seen(level=logging.DEBUG)
+        root = logging.getLogger()
+        level = root.level
+        root.addHandler(watch)
+        root.setLevel(logging.DEBUG)
+        try:
+            stock, stock_s = timed(lambda: nodes.VAEDecode().decode(vae, lat)[0])
+        finally:
+            root.removeHandler(watch)
+            root.setLevel(level)
+        stock_log = [f"free before {free_before / 2**30:.2f} GiB"] + seen
         stock_same = bool(torch.equal(stock, images[("pack", 1)]))
         pinned = model.zimage.streamer.pinned_layers
+        if a.lora_rank:
+            # a LoRA on every main layer's five matrices, through the stock loader: the first image
+            # computes the patched weights, the second is the warm image to hold against no LoRA
+            folder_paths.add_model_folder_path("loras", a.weights)
+            name = _write_lora(a.weights, a.lora_rank)
+            lora_model = nodes.LoraLoaderModelOnly().load_lora_model_only(model, name, 1.0)[0]
+            for i, prompt in enumerate(reversed(PROMPTS)):
+                cond, te = encode(lambda: pack.ZImageTextEncode.execute(clip, prompt).result[0], True)
+                lat, ts = timed(lambda: pack.ZImageSampler.execute(lora_model, cond, a.size, a.size, 1, 42, a.steps,
+                                                                   1.0, 3.0, "res_multistep", "simple").result[0])
+                _, td = timed(lambda: pack.ZImageDecode.execute(vae, lat).result[0])
+                row("pack+lora", i, te, ts, td, "")
+            del lora_model
         del model, lat
         mm.unload_all_models()
         mm.soft_empty_cache()
 
         unet = nodes.UNETLoader().load_unet("z_image_turbo_bf16.safetensors", "default")[0]
         for i, prompt in enumerate(PROMPTS):
-            cond, te = timed(lambda: nodes.CLIPTextEncode().encode(clip, prompt)[0])
+            cond, te = encode(lambda: nodes.CLIPTextEncode().encode(clip, prompt)[0], False)
             negative = nodes.ConditioningZeroOut().zero_out(cond)[0]
             latent = {"samples": torch.zeros([1, 16, a.size // 8, a.size // 8], device=mm.intermediate_device())}
             # ZImage samples with shift 3 by default: what ModelSamplingAuraFlow(3) installs
@@ -127,7 +193,8 @@ def worker(a):
         diff = [float((images[("pack", i)] - images[("official", i)]).abs().nan_to_num(0).max()) * 255
                 for i in range(len(PROMPTS))]
     print(json.dumps(dict(card=a.card, dynamic=a.dynamic, patcher=patcher_kind, load_s=load_s, pinned_layers=pinned,
-                          stock_vaedecode_s=stock_s, stock_vaedecode_same=stock_same, rows=rows,
+                          stock_vaedecode_s=stock_s, stock_vaedecode_same=stock_same, stock_vaedecode_log=stock_log,
+                          rows=rows,
                           tiled=tiled, max_pixel_diff=diff)))
 
 
@@ -139,6 +206,8 @@ def main(argv=None):
     ap.add_argument("--dynamic", default="on,off")
     ap.add_argument("--size", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--lora-rank", type=int, default=0,
+                    help="also make two images with a random LoRA of this rank on every main layer")
     ap.add_argument("--timeout", type=int, default=300, help="seconds per card and setting")
     ap.add_argument("--cpu", action="store_true", help="run ComfyUI on the CPU (a functional check, no card)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -153,7 +222,8 @@ def main(argv=None):
     for card in a.cards.split(","):
         for dyn in a.dynamic.split(","):
             cmd = [sys.executable, "-m", "zimage_core.comfy_bench", "--worker", "--comfy", a.comfy, "--weights",
-                   a.weights, "--card", card, "--dynamic", dyn, "--size", str(a.size), "--steps", str(a.steps)] + (["--cpu"] if a.cpu else [])
+                   a.weights, "--card", card, "--dynamic", dyn, "--size", str(a.size), "--steps", str(a.steps),
+                   "--lora-rank", str(a.lora_rank)] + (["--cpu"] if a.cpu else [])
             try:
                 r = subprocess.run(cmd, cwd=PACK_DIR, capture_output=True, text=True, timeout=a.timeout)
             except subprocess.TimeoutExpired:
@@ -167,10 +237,12 @@ def main(argv=None):
             for w in res["rows"]:
                 print(f"{card:>5} GiB  dynamic {dyn:3}  {w['pipeline']:8} image {w['image']}  encode {w['encode']:.2f}  "
                       f"sample {w['sample']:.2f}  decode {w['decode']:.2f}  total {w['total']:.2f}  "
-                      f"TE on GPU {w['te_on_gpu']:.0%}  tiled so far {w['tiled']}  {w['split']}", flush=True)
+                      f"TE {w['text_encoder']}  tiled so far {w['tiled']}  {w['split']}", flush=True)
             print(f"      stock VAEDecode of a pack latent {res['stock_vaedecode_s']:.2f} s, same as the pack's "
                   f"decode: {res['stock_vaedecode_same']}; pack vs official max pixel difference "
                   f"{', '.join(f'{d:.2f}' for d in res['max_pixel_diff'])} / 255", flush=True)
+            if not res["stock_vaedecode_same"]:
+                print("      stock VAEDecode log: " + " | ".join(res["stock_vaedecode_log"])[:3000], flush=True)
     return results
 
 

@@ -70,7 +70,12 @@ def _release(held: dict, pin: bool):
 
 class HostPool:
     def __init__(self, cap_bytes: int | None = None, pin: bool | None = None):
-        self.cap = default_cap() if cap_bytes is None else int(cap_bytes)
+        """``cap_bytes`` None: what ``ZIMAGE_PINNED_GIB`` leaves after the pools already alive (it
+        caps the process), or else half of the RAM available now."""
+        if cap_bytes is None:
+            env = self.environment_cap()
+            cap_bytes = default_cap() if env is None else max(0, env - live_bytes())
+        self.cap = int(cap_bytes)
         self.pin = torch.cuda.is_available() if pin is None else pin
         self.used = 0
         self._held = {}     # data_ptr -> bytes, what is counted (and registered)
@@ -107,6 +112,6 @@ class HostPool:
 
     @staticmethod
     def environment_cap() -> int | None:
-        """ZIMAGE_PINNED_GIB overrides the default cap (e.g. for a 16 GB RAM machine)."""
+        """ZIMAGE_PINNED_GIB: the pinned bytes this process may hold in all (e.g. for a 16 GB RAM machine)."""
         v = os.environ.get("ZIMAGE_PINNED_GIB")
         return int(float(v) * (1 << 30)) if v else None

@@ -13,6 +13,8 @@ plain tensors and synchronous copies.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .config import ZImageConfig
@@ -23,39 +25,50 @@ ALIGN = 256  # bytes; every matrix starts on the same alignment in every buffer
 
 
 class PackLayout:
-    """Where each big matrix sits inside one flat per-layer buffer."""
+    """Where each tensor of a layer sits inside one flat per-layer buffer."""
 
-    def __init__(self, cfg: ZImageConfig, dtype: torch.dtype):
+    def __init__(self, shapes, dtype: torch.dtype):
+        """``shapes``: a ``ZImageConfig`` (its five big matrices, viewed as ``BigWeights``) or any
+        {name: shape} (viewed as a dict)."""
+        self.wrap = BigWeights if isinstance(shapes, ZImageConfig) else dict
+        self.shapes = dict(shapes.big_shapes if isinstance(shapes, ZImageConfig) else shapes)
         self.dtype = dtype
-        self.shapes = cfg.big_shapes
         step = ALIGN // dtype.itemsize
         self.offsets, n = {}, 0
-        for name, (r, c) in self.shapes.items():
+        for name, shape in self.shapes.items():
             self.offsets[name] = n
-            n += -(-(r * c) // step) * step
+            n += -(-math.prod(shape) // step) * step
         self.numel = n
         self.nbytes = n * dtype.itemsize
 
-    def views(self, flat: torch.Tensor) -> BigWeights:
-        return BigWeights(**{name: self.region(flat, name) for name in self.shapes})
+    def views(self, flat: torch.Tensor):
+        return self.wrap(**{name: self.region(flat, name) for name in self.shapes})
 
     def region(self, flat, name):
-        r, c = self.shapes[name]
+        shape = self.shapes[name]
         o = self.offsets[name]
-        return flat[o:o + r * c].view(r, c)
+        return flat[o:o + math.prod(shape)].view(shape)
 
     def fill(self, flat, pieces: dict):
-        """Copy checkpoint pieces {name: [(row, tensor)]} into ``flat`` (casting to its dtype)."""
+        """Copy pieces {name: [(row, tensor)]} into ``flat`` (casting to its dtype)."""
         for name, parts in pieces.items():
             dst = self.region(flat, name)
             for row, t in parts:
                 dst[row:row + t.shape[0]].copy_(t, non_blocking=flat.is_cuda and t.is_pinned())
 
 
+def device_of(device) -> torch.device:
+    """A device with its index: tensors report ``cuda:0``, and comparisons with a bare ``cuda`` fail."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 class LayerStreamer:
     def __init__(self, layout: PackLayout, sources: list, device, pool: HostPool):
         """``sources[i]`` is layer i's {name: [(row, tensor)]} file pieces."""
-        self.layout, self.device, self.pool = layout, torch.device(device), pool
+        self.layout, self.device, self.pool = layout, device_of(device), pool
         self.cuda = self.device.type == "cuda"
         self.n_layers = len(sources)
         self.sources = sources
@@ -129,7 +142,7 @@ class LayerStreamer:
         Frees before it allocates, so a shrinking split never needs extra memory."""
         self._primed = False
         n_resident = max(0, min(n_resident, self.n_layers))
-        n_slots = 0 if n_resident == self.n_layers else max(1, min(n_slots, self.n_layers - n_resident))
+        n_slots = 0 if n_resident == self.n_layers or n_slots == 0 else min(n_slots, self.n_layers - n_resident)
         self.synchronize()
         for i in [i for i in self.resident if i >= n_resident]:
             del self.resident[i]
@@ -210,19 +223,29 @@ class LayerStreamer:
 
     def _run_layers(self, x, layer_fn):
         self.prefetch_first()
-        r, k = self.n_resident, len(self.slots)
-        streamed = range(r, self.n_layers)
-        compute = torch.cuda.current_stream(self.device) if self.cuda else None
-        for i in range(r):
-            x = layer_fn(i, x, self.layout.views(self.resident[i]))
-        for j, i in enumerate(streamed):
-            s = j % k
-            if self.cuda:
-                compute.wait_event(self._ready[s])
-            x = layer_fn(i, x, self.layout.views(self.slots[s]))
-            if self.cuda:
-                self._free[s].record(compute)
-            # refill the slot with the layer k places on; past the end, with the layer that
-            # uses this slot first in the next step
-            self._prefetch(streamed[j + k] if j + k < len(streamed) else streamed[s], s)
+        for i in range(self.n_layers):
+            x = layer_fn(i, x, self.begin(i))
+            self.end(i)
         return x
+
+    def begin(self, i):
+        """Layer i's weights, ready for the kernels queued next on the current stream."""
+        r = self.n_resident
+        if i < r:
+            return self.layout.views(self.resident[i])
+        s = (i - r) % len(self.slots)
+        if self.cuda:
+            torch.cuda.current_stream(self.device).wait_event(self._ready[s])
+        return self.layout.views(self.slots[s])
+
+    def end(self, i):
+        """Layer i's kernels are queued: its slot is refilled once they finish, with the layer k
+        places on or, past the end, with the layer that uses this slot first in the next forward."""
+        r, k = self.n_resident, len(self.slots)
+        if i < r:
+            return
+        j, s = i - r, (i - r) % k
+        if self.cuda:
+            self._free[s].record(torch.cuda.current_stream(self.device))
+        streamed = range(r, self.n_layers)
+        self._prefetch(streamed[j + k] if j + k < len(streamed) else streamed[s], s)

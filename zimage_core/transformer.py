@@ -132,8 +132,7 @@ class ZImageTransformer(torch.nn.Module):
                     flat = torch.empty(layout.numel, dtype=storage)
                     layout.fill(flat, _layer_pieces(ckpt, f"{stem}.{i}."))
                     model.add_refiner(f"{stem}.{i}", flat)
-            pool = HostPool(pinned_cap if pinned_cap is not None else HostPool.environment_cap(),
-                            pin=dev.type == "cuda")
+            pool = HostPool(pinned_cap, pin=dev.type == "cuda")
             streamer = LayerStreamer(layout, [_layer_pieces(ckpt, f"layers.{i}.") for i in range(cfg.n_layers)],
                                      dev, pool)
             fixed = _FixedPart(model, pool)

@@ -1,0 +1,60 @@
+"""The pack's streamed text encoder against ComfyUI's own encode, in ComfyUI's process (CPU).
+
+    python comfy_te_check.py COMFYUI_PATH WEIGHTS_DIR OUT.json
+WEIGHTS_DIR holds qwen_3_4b.safetensors. Writes the measurements the test asserts on.
+"""
+import gc
+import json
+import logging
+import os
+import sys
+
+comfy_path, weights, out_path = sys.argv[1:4]
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, comfy_path)
+sys.argv = [sys.argv[0], "--cpu"]
+import comfy.options  # noqa: E402
+
+comfy.options.enable_args_parsing()
+import torch  # noqa: E402
+import comfy.model_management as mm  # noqa: E402
+import comfy.sd  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(HERE))
+from zimage_core import comfy as zc  # noqa: E402
+
+messages = []
+
+
+class Watch(logging.Handler):
+    def emit(self, record):
+        messages.append(record.getMessage())
+
+
+logging.getLogger().addHandler(Watch())
+logging.getLogger().setLevel(logging.INFO)
+clip = comfy.sd.load_clip([os.path.join(weights, "qwen_3_4b.safetensors")],
+                          clip_type=comfy.sd.CLIPType.LUMINA2)
+prompts = ["a lighthouse on a cliff at dawn", "a red fox in fresh snow, photograph, 85mm"]
+params = {k: v.data_ptr() for k, v in clip.cond_stage_model.state_dict().items()}
+res = {"streamed": [], "equal": [], "params_untouched": []}
+for prompt in prompts:
+    ours = zc.encode(clip, prompt)
+    res["streamed"].append(zc.streamed_text_encoder(clip) is not None)
+    res["params_untouched"].append({k: v.data_ptr() for k, v in clip.cond_stage_model.state_dict().items()} == params)
+    stock = clip.encode_from_tokens_scheduled(clip.tokenize(prompt))
+    res["equal"].append(len(ours) == len(stock) and all(
+        torch.equal(a[0], b[0]) and a[1].keys() == b[1].keys() for a, b in zip(ours, stock)))
+res["pinned"] = zc.streamed_text_encoder(clip).patcher.pinned_memory_size()
+# a LoRA-style weight patch on the text encoder: ComfyUI's path, still equal to ComfyUI
+patched = clip.clone()
+key = next(k for k in patched.patcher.model.state_dict() if k.endswith("layers.0.mlp.down_proj.weight"))
+patched.add_patches({key: (torch.randn_like(patched.patcher.model.state_dict()[key]) * 0.01,)}, 1.0)
+res["streams_with_patches"] = zc.streamed_text_encoder(patched) is not None
+res["patched_equal"] = torch.equal(zc.encode(patched, prompts[0])[0][0],
+                                   patched.encode_from_tokens_scheduled(patched.tokenize(prompts[0]))[0][0])
+res["patch_changed"] = not torch.equal(zc.encode(patched, prompts[0])[0][0], zc.encode(clip, prompts[0])[0][0])
+res["log"] = [m for m in messages if "Z-Image" in m]
+res["after_encode_on_device"] = sorted({str(p.device) for p in clip.cond_stage_model.parameters()})
+with open(out_path, "w") as f:
+    json.dump(res, f)

@@ -1,0 +1,90 @@
+"""Another model's layer stack streamed through slots: same output as the model run whole."""
+import pytest
+import torch
+
+from zimage_core.host_memory import HostPool, live_bytes
+from zimage_core.stack_streaming import StreamedStack, UnsupportedStack
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+class Block(torch.nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(d)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(d, 4 * d), torch.nn.GELU(), torch.nn.Linear(4 * d, d))
+
+    def forward(self, x):
+        return x + self.mlp(self.norm(x))
+
+
+class Encoder(torch.nn.Module):
+    """An embedding and a final norm outside a stack of blocks, like a text encoder."""
+
+    def __init__(self, d=32, n=5, vocab=50):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, d)
+        self.layers = torch.nn.ModuleList(Block(d) for _ in range(n))
+        self.norm = torch.nn.LayerNorm(d)
+        self.register_buffer("scale", torch.tensor(0.5))
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        for layer in self.layers:
+            x = layer(x)
+        return self.norm(x) * self.scale
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("slots", [1, 2, 3, 5])
+def test_streamed_stack_equals_whole_model(device, slots):
+    torch.manual_seed(0)
+    enc = Encoder().requires_grad_(False)
+    ids = torch.randint(0, 50, (2, 7), device=device)
+    whole = enc.to(device)(ids)
+    enc.cpu()
+    own = {k: v.data_ptr() for k, v in enc.state_dict().items()}
+    before = live_bytes()
+    stack = StreamedStack(enc, device, HostPool(), slots=slots)
+    if slots < len(enc.layers):
+        assert stack.loaded_bytes < sum(p.nbytes for p in enc.parameters())
+    for _ in range(3):  # the ring runs on across forwards and across runs
+        with stack.running():
+            assert torch.equal(enc(ids), whole)
+            assert torch.equal(enc(ids), whole)
+    # between runs the model is its own again, on the host
+    assert {k: v.data_ptr() for k, v in enc.state_dict().items()} == own
+    assert all(p.device.type == "cpu" for p in enc.parameters())
+    assert stack.device_bytes() == stack.loaded_bytes
+    assert stack.unload() == stack.loaded_bytes and stack.device_bytes() == 0
+    stack.release()
+    assert live_bytes() == before
+
+
+def test_interrupted_forward_restores_the_model_and_the_next_run_is_right():
+    torch.manual_seed(1)
+    enc = Encoder().requires_grad_(False)
+    ids = torch.randint(0, 50, (1, 5))
+    whole = enc(ids)
+    stack = StreamedStack(enc, "cpu", HostPool(), slots=2)
+
+    def stop(*_):
+        raise KeyboardInterrupt
+    h = enc.layers[3].register_forward_pre_hook(stop)
+    with pytest.raises(KeyboardInterrupt), stack.running():
+        enc(ids)
+    h.remove()
+    assert all(p.device.type == "cpu" for p in enc.parameters())
+    assert torch.equal(enc(ids), whole)  # the model itself is untouched
+    with stack.running():
+        assert torch.equal(enc(ids), whole)
+
+
+def test_a_model_without_a_uniform_stack_is_refused():
+    enc = Encoder()
+    enc.layers[2].mlp[0] = torch.nn.Linear(32, 64)  # a layer of another shape
+    enc.layers[2].mlp[2] = torch.nn.Linear(64, 32)
+    with pytest.raises(UnsupportedStack, match="differ"):
+        StreamedStack(enc, "cpu", HostPool())
+    with pytest.raises(UnsupportedStack, match="no stack"):
+        StreamedStack(torch.nn.Linear(3, 3), "cpu", HostPool())
