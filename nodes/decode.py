@@ -4,6 +4,7 @@ import comfy.model_management as mm
 import torch
 from comfy_api.latest import io
 
+from ..zimage_core import comfy as zcomfy
 from .status import node_id, show
 
 log = logging.getLogger("zimage")
@@ -20,7 +21,8 @@ def decode_full(vae, samples):
     """Decode on the GPU in one piece per image. Room comes through the model manager, which
     asks the loaded models (a streamed transformer evicts layers) for it."""
     need = decode_bytes(vae, samples.shape)
-    mm.load_models_gpu([vae.patcher], memory_required=need, force_full_load=True)
+    with zcomfy.own_request():
+        mm.load_models_gpu([vae.patcher], memory_required=need, force_full_load=True)
     out = []
     with torch.no_grad():
         for i in range(samples.shape[0]):
@@ -52,7 +54,7 @@ class ZImageDecode(io.ComfyNode):
         try:
             return io.NodeOutput(decode_full(vae, latent))
         except mm.OOM_EXCEPTION:
-            pass
+            log.info("Z-Image: the decode ran out of memory in the room it asked for; emptying the GPU and retrying")
         mm.free_memory(1e30, vae.device)  # everything else off the GPU, then one more full try
         try:
             return io.NodeOutput(decode_full(vae, latent))

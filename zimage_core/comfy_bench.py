@@ -75,6 +75,35 @@ def _write_lora(folder, rank):
     return name
 
 
+def _breakdown(pack, model, clip, vae, a, timed, sync):
+    """One more pack image with a new prompt, timed finer (a sync after every step, so it is not one
+    of the measured images): encode, the model manager loading the transformer, each step, decode."""
+    import comfy.model_management as mm
+    steps, last = [], []
+
+    def pre(*_):
+        sync()
+        last[:] = [time.perf_counter()]
+
+    def post(*_):
+        sync()
+        steps.append(time.perf_counter() - last[0])
+
+    t = model.zimage
+    hooks = [t.register_forward_pre_hook(pre), t.register_forward_hook(post)]
+    try:
+        cond, te = timed(lambda: pack.ZImageTextEncode.execute(clip, "a bowl of ramen, studio light").result[0])
+        shape = (1, 16, a.size // 8, a.size // 8)
+        _, load = timed(lambda: mm.load_models_gpu([model], memory_required=model.model.memory_required(shape)))
+        lat, ts = timed(lambda: pack.ZImageSampler.execute(model, cond, a.size, a.size, 1, 42, a.steps, 1.0, 3.0,
+                                                           "res_multistep", "simple").result[0])
+        _, td = timed(lambda: pack.ZImageDecode.execute(vae, lat).result[0])
+    finally:
+        for h in hooks:
+            h.remove()
+    return dict(encode=te, load=load, sample=ts, steps=steps, decode=td)
+
+
 def worker(a):
     from .bench import simulated_card
     with simulated_card(a.card):
@@ -112,7 +141,7 @@ def worker(a):
         vae = nodes.VAELoader().load_vae("ae.safetensors")[0]
         rows, images = [], {}
 
-        from . import comfy as zcomfy
+        zcomfy = importlib.import_module(os.path.basename(PACK_DIR) + ".zimage_core.comfy")  # the nodes' instance
 
         def encode(node, pack_node):
             """The encode node's time and where the text encoder ran: streamed (its GiB on the GPU)
@@ -143,6 +172,7 @@ def worker(a):
             split = f"{s.n_resident} resident, {len(s.slots)} slots"
             images[("pack", i)], td = timed(lambda: pack.ZImageDecode.execute(vae, lat).result[0])
             row("pack", i, te, ts, td, split)
+        breakdown = _breakdown(pack, model, clip, vae, a, timed, sync)
         free_before = mm.get_free_memory(mm.get_torch_device())
         seen = []
 
@@ -193,7 +223,7 @@ def worker(a):
         diff = [float((images[("pack", i)] - images[("official", i)]).abs().nan_to_num(0).max()) * 255
                 for i in range(len(PROMPTS))]
     print(json.dumps(dict(card=a.card, dynamic=a.dynamic, patcher=patcher_kind, load_s=load_s, pinned_layers=pinned,
-                          stock_vaedecode_s=stock_s, stock_vaedecode_same=stock_same, stock_vaedecode_log=stock_log,
+                          pack_breakdown=breakdown, stock_vaedecode_s=stock_s, stock_vaedecode_same=stock_same, stock_vaedecode_log=stock_log,
                           rows=rows,
                           tiled=tiled, max_pixel_diff=diff)))
 
@@ -241,6 +271,9 @@ def main(argv=None):
             print(f"      stock VAEDecode of a pack latent {res['stock_vaedecode_s']:.2f} s, same as the pack's "
                   f"decode: {res['stock_vaedecode_same']}; pack vs official max pixel difference "
                   f"{', '.join(f'{d:.2f}' for d in res['max_pixel_diff'])} / 255", flush=True)
+            b = res["pack_breakdown"]
+            print(f"      pack breakdown (synced): encode {b['encode']:.3f}  load {b['load']:.3f}  sample {b['sample']:.3f} "
+                  f"(steps {' '.join(f'{x * 1e3:.0f}' for x in b['steps'])} ms)  decode {b['decode']:.3f}", flush=True)
             if not res["stock_vaedecode_same"]:
                 print("      stock VAEDecode log: " + " | ".join(res["stock_vaedecode_log"])[:3000], flush=True)
     return results

@@ -67,7 +67,8 @@ class StreamedStack:
         self.outside = [(m, kind, name) for m in root.modules() if id(m) not in in_stack
                         for kind in ("_parameters", "_buffers") for name, v in getattr(m, kind).items() if v is not None]
         self.outside_bytes = sum(getattr(m, kind)[name].nbytes for m, kind, name in self.outside)
-        self._outside_device = None   # device copies of the tensors outside the stack, while loaded
+        self._outside_host = None     # their host masters (pinned where the pool allows), made once
+        self._outside_device = None   # their device copies, while loaded
         self._running = None          # the layers' own parameters, while running
         self._next = 0                # the layer the ring has ready next
 
@@ -82,11 +83,20 @@ class StreamedStack:
     def load(self):
         """Host masters (packed, and pinned up to the pool's cap, once), device copies, slots."""
         self.streamer.pin_trailing()
+        if self._outside_host is None:
+            self._outside_host = [self._master(getattr(m, kind)[name]) for m, kind, name in self.outside]
         if self._outside_device is None:
-            self._outside_device = [_tensor(getattr(m, kind)[name]).to(self.device, non_blocking=True)
-                                    for m, kind, name in self.outside]
+            self._outside_device = [t.to(self.device, non_blocking=True) for t in self._outside_host]
         if not self.streamer.slots:
             self.streamer.configure(0, self.n_slots)
+
+    def _master(self, t):
+        """A pinned copy of ``t`` (the embeddings are most of the bytes outside the stack), or ``t``
+        itself past the pool's cap."""
+        buf = self.pool.allocate(t.numel(), t.dtype)
+        if buf is None:
+            return _tensor(t)
+        return buf.view(t.shape).copy_(_tensor(t))
 
     def unload(self) -> int:
         """Drop every device buffer; returns the bytes freed."""
@@ -99,6 +109,7 @@ class StreamedStack:
     def release(self):
         """Device buffers and host masters (pinned memory goes back to the OS)."""
         self.unload()
+        self._outside_host = None
         self.streamer.release()
 
     @contextlib.contextmanager
