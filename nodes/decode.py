@@ -4,7 +4,6 @@ import comfy.model_management as mm
 import torch
 from comfy_api.latest import io
 
-from ..zimage_core import comfy as zcomfy
 from .status import node_id, show
 
 log = logging.getLogger("zimage")
@@ -21,8 +20,7 @@ def decode_full(vae, samples):
     """Decode on the GPU in one piece per image. Room comes through the model manager, which
     asks the loaded models (a streamed transformer evicts layers) for it."""
     need = decode_bytes(vae, samples.shape)
-    with zcomfy.own_request():
-        mm.load_models_gpu([vae.patcher], memory_required=need, force_full_load=True)
+    mm.load_models_gpu([vae.patcher], memory_required=need, force_full_load=True)
     out = []
     with torch.no_grad():
         for i in range(samples.shape[0]):

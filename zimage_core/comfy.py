@@ -10,8 +10,6 @@ cheap way, and stock samplers, ``VAEDecode`` and LoRA loaders see an ordinary MO
 """
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import logging
 import weakref
 
@@ -34,22 +32,6 @@ from .transformer import COMPUTE_DTYPES, STORAGE_DTYPES, ZImageTransformer
 log = logging.getLogger("zimage")
 _DTYPE_NAMES = {v: k for k, v in COMPUTE_DTYPES.items()}
 PREFIX = "diffusion_model."
-
-
-_own_request = contextvars.ContextVar("zimage_own_request", default=False)
-
-
-@contextlib.contextmanager
-def own_request():
-    """Memory asked of the model manager by this pack's nodes, which ask for what they really use.
-    Other nodes' estimates can fall short (a stock VAEDecode of a 1024x1024 Flux latent runs out of
-    memory in the room ComfyUI asks for without Dynamic VRAM): for them the transformer leaves the
-    GPU entirely, which costs one upload from pinned memory at the next sampling."""
-    token = _own_request.set(True)
-    try:
-        yield
-    finally:
-        _own_request.reset(token)
 
 
 def comfy_attention(q, k, v, heads):
@@ -130,7 +112,7 @@ class ZImagePatcher(comfy.model_patcher.ModelPatcher):
         return self.zimage.streamer.pool.used
 
     def partially_unload(self, device_to, memory_to_free=0, force_patch_weights=False):
-        freed = self.zimage.evict(memory_to_free if _own_request.get() else self.zimage.device_bytes())
+        freed = self.zimage.evict(memory_to_free)
         self._sync()
         log.info("Z-Image: made room for another model: %.2f GiB freed (%d layers stay on the GPU)",
                  freed / planner.GiB, self.zimage.streamer.n_resident)
@@ -236,10 +218,9 @@ def encode(clip, text):
     streamed = streamed_text_encoder(clip)
     if streamed is None:
         return clip.encode_from_tokens_scheduled(tokens)
-    with own_request():
-        mm.load_models_gpu([streamed.patcher])  # room first, through the model manager
-        with streamed.patcher.stack.running():
-            return streamed.encode_from_tokens_scheduled(tokens)
+    mm.load_models_gpu([streamed.patcher])  # room first, through the model manager
+    with streamed.patcher.stack.running():
+        return streamed.encode_from_tokens_scheduled(tokens)
 
 
 def unet_config(cfg):
