@@ -3,7 +3,6 @@
     python comfy_te_check.py COMFYUI_PATH WEIGHTS_DIR OUT.json
 WEIGHTS_DIR holds qwen_3_4b.safetensors. Writes the measurements the test asserts on.
 """
-import gc
 import json
 import logging
 import os
@@ -17,7 +16,6 @@ import comfy.options  # noqa: E402
 
 comfy.options.enable_args_parsing()
 import torch  # noqa: E402
-import comfy.model_management as mm  # noqa: E402
 import comfy.sd  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(HERE))

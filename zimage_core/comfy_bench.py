@@ -75,33 +75,49 @@ def _write_lora(folder, rank):
     return name
 
 
-def _breakdown(pack, model, clip, vae, a, timed, sync):
-    """One more pack image with a new prompt, timed finer (a sync after every step, so it is not one
-    of the measured images): encode, the model manager loading the transformer, each step, decode."""
+def _breakdown(pack, model, clip, vae, a, timed):
+    """One more pack image with a new prompt, its sampling timed on the GPU's own clock (events on
+    the compute stream, no synchronisation, so the overlap is what it is in the measured images):
+    the model manager loading the transformer, the sampler's setup before the first step, each
+    step, the gaps between steps, and the copy stream's busy time."""
+    import torch
     import comfy.model_management as mm
-    steps, last = [], []
+    cuda = torch.cuda.is_available() and not a.cpu
 
-    def pre(*_):
-        sync()
-        last[:] = [time.perf_counter()]
+    def mark():
+        if not cuda:
+            return time.perf_counter()
+        e = torch.cuda.Event(enable_timing=True)
+        e.record()
+        return e
 
-    def post(*_):
-        sync()
-        steps.append(time.perf_counter() - last[0])
+    def span(x, y):
+        return x.elapsed_time(y) / 1e3 if cuda else y - x
 
     t = model.zimage
-    hooks = [t.register_forward_pre_hook(pre), t.register_forward_hook(post)]
+    cond, te = timed(lambda: pack.ZImageTextEncode.execute(clip, "a bowl of ramen, studio light").result[0])
+    shape = (1, 16, a.size // 8, a.size // 8)
+    _, load = timed(lambda: mm.load_models_gpu([model], memory_required=model.model.memory_required(shape)))
+    pre, post = [], []
+    hooks = [t.register_forward_pre_hook(lambda *_: pre.append(mark())),
+             t.register_forward_hook(lambda *_: post.append(mark()))]
+    t.streamer.profile, t.streamer.copy_events = True, []
     try:
-        cond, te = timed(lambda: pack.ZImageTextEncode.execute(clip, "a bowl of ramen, studio light").result[0])
-        shape = (1, 16, a.size // 8, a.size // 8)
-        _, load = timed(lambda: mm.load_models_gpu([model], memory_required=model.model.memory_required(shape)))
+        start = mark()
         lat, ts = timed(lambda: pack.ZImageSampler.execute(model, cond, a.size, a.size, 1, 42, a.steps, 1.0, 3.0,
                                                            "res_multistep", "simple").result[0])
-        _, td = timed(lambda: pack.ZImageDecode.execute(vae, lat).result[0])
+        end = mark()
     finally:
         for h in hooks:
             h.remove()
-    return dict(encode=te, load=load, sample=ts, steps=steps, decode=td)
+        t.streamer.profile = False
+    if cuda:
+        torch.cuda.synchronize()
+    copies = [span(x, y) for x, y in t.streamer.copy_events] if cuda else []
+    _, td = timed(lambda: pack.ZImageDecode.execute(vae, lat).result[0])
+    return dict(encode=te, load=load, sample=ts, setup=span(start, pre[0]), steps=[span(x, y) for x, y in zip(pre, post)],
+                gaps=[span(x, y) for x, y in zip(post, pre[1:])], tail=span(post[-1], end), uploads=len(copies),
+                copy_busy=sum(copies), decode=td)
 
 
 def worker(a):
@@ -157,7 +173,6 @@ def worker(a):
         te_where = []
 
         def row(pipeline, i, te, ts, td, split):
-            p = clip.patcher
             rows.append(dict(pipeline=pipeline, image=i + 1, encode=te, sample=ts, decode=td, total=te + ts + td,
                              text_encoder=te_where[-1], split=split, tiled=len(tiled)))
             print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
@@ -172,7 +187,7 @@ def worker(a):
             split = f"{s.n_resident} resident, {len(s.slots)} slots"
             images[("pack", i)], td = timed(lambda: pack.ZImageDecode.execute(vae, lat).result[0])
             row("pack", i, te, ts, td, split)
-        breakdown = _breakdown(pack, model, clip, vae, a, timed, sync)
+        breakdown = _breakdown(pack, model, clip, vae, a, timed)
         free_before = mm.get_free_memory(mm.get_torch_device())
         seen = []
 
@@ -272,8 +287,10 @@ def main(argv=None):
                   f"decode: {res['stock_vaedecode_same']}; pack vs official max pixel difference "
                   f"{', '.join(f'{d:.2f}' for d in res['max_pixel_diff'])} / 255", flush=True)
             b = res["pack_breakdown"]
-            print(f"      pack breakdown (synced): encode {b['encode']:.3f}  load {b['load']:.3f}  sample {b['sample']:.3f} "
-                  f"(steps {' '.join(f'{x * 1e3:.0f}' for x in b['steps'])} ms)  decode {b['decode']:.3f}", flush=True)
+            print(f"      pack breakdown: encode {b['encode']:.3f}  load {b['load']:.3f}  sample {b['sample']:.3f} = setup "
+                  f"{b['setup']:.3f} + steps {' '.join(f'{x * 1e3:.0f}' for x in b['steps'])} ms + gaps "
+                  f"{sum(b['gaps']) * 1e3:.0f} ms + tail {b['tail']:.3f}; {b['uploads']} uploads, copy stream busy "
+                  f"{b['copy_busy']:.3f} s; decode {b['decode']:.3f}", flush=True)
             if not res["stock_vaedecode_same"]:
                 print("      stock VAEDecode log: " + " | ".join(res["stock_vaedecode_log"])[:3000], flush=True)
     return results

@@ -74,7 +74,7 @@ def simulate_step(resident, streamed, slots, compute, copy, fixed=0.0, steps=3) 
     waiting for its upload; uploads run in order on one copy stream, each into the slot its
     previous user has finished with, and run on into the next step."""
     k = max(slots, 1)
-    ready, slot_free, copy_end, t = [0.0] * k, [0.0] * k, 0.0, 0.0
+    ready, copy_end, t = [0.0] * k, 0.0, 0.0
     for s in range(min(k, streamed)):
         copy_end += copy
         ready[s] = copy_end
