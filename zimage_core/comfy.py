@@ -218,9 +218,16 @@ def encode(clip, text):
     streamed = streamed_text_encoder(clip)
     if streamed is None:
         return clip.encode_from_tokens_scheduled(tokens)
-    mm.load_models_gpu([streamed.patcher])  # room first, through the model manager
-    with streamed.patcher.stack.running():
-        return streamed.encode_from_tokens_scheduled(tokens)
+    for attempt in range(2):
+        try:
+            mm.load_models_gpu([streamed.patcher])  # room first, through the model manager
+            with streamed.patcher.stack.running():
+                return streamed.encode_from_tokens_scheduled(tokens)
+        except torch.OutOfMemoryError:
+            if attempt:
+                raise
+            log.warning("Z-Image: out of memory while encoding the prompt; emptying the GPU and retrying")
+            mm.free_memory(1e30, streamed.patcher.load_device)
 
 
 def unet_config(cfg):
