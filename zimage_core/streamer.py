@@ -138,8 +138,9 @@ class LayerStreamer:
         return torch.empty(self.layout.numel, dtype=self.layout.dtype, device=self.device)
 
     def configure(self, n_resident: int, n_slots: int):
-        """Make layers [0, n_resident) resident with ``n_slots`` slots for the rest.
-        Frees before it allocates, so a shrinking split never needs extra memory."""
+        """Make layers [0, n_resident) resident with ``n_slots`` slots for the rest (0 slots: only
+        the resident layers stay on the device, as when the model is offloaded). Frees before it
+        allocates, so a shrinking split never needs extra memory."""
         self._primed = False
         n_resident = max(0, min(n_resident, self.n_layers))
         n_slots = 0 if n_resident == self.n_layers or n_slots == 0 else min(n_slots, self.n_layers - n_resident)
