@@ -120,6 +120,36 @@ def _breakdown(pack, model, clip, vae, a, timed):
                 copy_busy=sum(copies), decode=td)
 
 
+def _decode_alone(vae, lat, tiled, timed):
+    """A stock VAEDecode with nothing else loaded, then ComfyUI's decoder called directly in the
+    room ComfyUI asks for, with its real peak: whether a tiled fallback is ComfyUI's own."""
+    import torch
+    import comfy.model_management as mm
+    import nodes
+    mm.unload_all_models()
+    mm.soft_empty_cache()
+    before = len(tiled)
+    _, s = timed(lambda: nodes.VAEDecode().decode(vae, lat)[0])
+    out = dict(s=s, tiled=len(tiled) > before)
+    x = lat["samples"]
+    dev = mm.get_torch_device()
+    mm.load_models_gpu([vae.patcher], memory_required=vae.memory_used_decode(x.shape, vae.vae_dtype))
+    out["free_gib"] = mm.get_free_memory(dev) / 2**30
+    out["asked_gib"] = vae.memory_used_decode(x.shape, vae.vae_dtype) / 2**30
+    out["vae_dtype"] = str(vae.vae_dtype)
+    if torch.cuda.is_available() and dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+        base = torch.cuda.memory_allocated(dev)
+        try:
+            with torch.no_grad():
+                vae.first_stage_model.decode(x.to(device=vae.device, dtype=vae.vae_dtype))
+            out["direct"] = "fits"
+        except torch.OutOfMemoryError as e:
+            out["direct"] = "out of memory: " + str(e)[:400]
+        out["peak_gib"] = (torch.cuda.max_memory_allocated(dev) - base) / 2**30
+    return out
+
+
 def worker(a):
     from .bench import simulated_card
     with simulated_card(a.card):
@@ -237,10 +267,11 @@ def worker(a):
             row("official", i, te, ts, td, "")
         diff = [float((images[("pack", i)] - images[("official", i)]).abs().nan_to_num(0).max()) * 255
                 for i in range(len(PROMPTS))]
+        del unet
+        alone = _decode_alone(vae, lat, tiled, timed)
     print(json.dumps(dict(card=a.card, dynamic=a.dynamic, patcher=patcher_kind, load_s=load_s, pinned_layers=pinned,
                           pack_breakdown=breakdown, stock_vaedecode_s=stock_s, stock_vaedecode_same=stock_same, stock_vaedecode_log=stock_log,
-                          rows=rows,
-                          tiled=tiled, max_pixel_diff=diff)))
+                          decode_alone=alone, rows=rows, tiled=tiled, max_pixel_diff=diff)))
 
 
 def main(argv=None):
@@ -286,6 +317,11 @@ def main(argv=None):
             print(f"      stock VAEDecode of a pack latent {res['stock_vaedecode_s']:.2f} s, same as the pack's "
                   f"decode: {res['stock_vaedecode_same']}; pack vs official max pixel difference "
                   f"{', '.join(f'{d:.2f}' for d in res['max_pixel_diff'])} / 255", flush=True)
+            d = res["decode_alone"]
+            print(f"      stock VAEDecode with nothing else loaded: {d['s']:.2f} s, tiled: {d['tiled']}; ComfyUI asks "
+                  f"{d['asked_gib']:.2f} GiB ({d['vae_dtype']}), {d['free_gib']:.2f} GiB free after loading the VAE; the "
+                  f"decoder called directly: {d.get('direct', 'not on a GPU')}, peak {d.get('peak_gib', 0):.2f} GiB",
+                  flush=True)
             b = res["pack_breakdown"]
             print(f"      pack breakdown: encode {b['encode']:.3f}  load {b['load']:.3f}  sample {b['sample']:.3f} = setup "
                   f"{b['setup']:.3f} + steps {' '.join(f'{x * 1e3:.0f}' for x in b['steps'])} ms + gaps "
