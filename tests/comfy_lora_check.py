@@ -5,16 +5,12 @@ Writes the measurements the test asserts on.
 """
 import json
 import logging
-import os
 import sys
 
-comfy_path, weights, fp8_weights, out_path = sys.argv[1:5]
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, comfy_path)
-sys.argv = [sys.argv[0], "--cpu"]
-import comfy.options  # noqa: E402
+import comfy_process
 
-comfy.options.enable_args_parsing()
+comfy_path, weights, fp8_weights, out_path = sys.argv[1:5]
+comfy_process.start(comfy_path)
 import torch  # noqa: E402
 import comfy.model_base  # noqa: E402
 import comfy.model_management as mm  # noqa: E402
@@ -23,7 +19,6 @@ import comfy.sd  # noqa: E402
 import comfy.supported_models  # noqa: E402
 import comfy.utils  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(HERE))
 from zimage_core import comfy as zc  # noqa: E402
 from zimage_core.checkpoint import Checkpoint  # noqa: E402
 from zimage_core.transformer import ZImageTransformer  # noqa: E402

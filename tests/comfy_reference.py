@@ -5,12 +5,10 @@ Runs in its own process because ComfyUI parses its command line at import.
 """
 import sys
 
-comfy_path, weights, inputs, dtype_name, out_path = sys.argv[1:6]
-sys.path.insert(0, comfy_path)
-sys.argv = [sys.argv[0], "--cpu"]
-import comfy.options  # noqa: E402
+import comfy_process
 
-comfy.options.enable_args_parsing()
+comfy_path, weights, inputs, dtype_name, out_path = sys.argv[1:6]
+comfy_process.start(comfy_path)
 import torch  # noqa: E402
 import comfy.ops  # noqa: E402
 import comfy.utils  # noqa: E402

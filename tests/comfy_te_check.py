@@ -8,17 +8,13 @@ import logging
 import os
 import sys
 
-comfy_path, weights, out_path = sys.argv[1:4]
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, comfy_path)
-sys.argv = [sys.argv[0], "--cpu"]
-import comfy.options  # noqa: E402
+import comfy_process
 
-comfy.options.enable_args_parsing()
+comfy_path, weights, out_path = sys.argv[1:4]
+comfy_process.start(comfy_path)
 import torch  # noqa: E402
 import comfy.sd  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(HERE))
 from zimage_core import comfy as zc  # noqa: E402
 
 messages = []

@@ -10,8 +10,9 @@ command line at import.
 """
 import argparse
 import os
-import sys
 import time
+
+import comfy_process
 
 
 def main():
@@ -22,11 +23,7 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args()
 
-    sys.path.insert(0, a.comfy)
-    sys.argv = [sys.argv[0], "--cpu"]
-    import comfy.options
-
-    comfy.options.enable_args_parsing()
+    comfy_process.start(a.comfy)
     import torch
     from safetensors.torch import save_file
 
