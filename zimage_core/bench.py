@@ -59,7 +59,6 @@ def pinned_bandwidth(model, repeats=5) -> float | None:
             b.record(s.copy_stream)
         b.synchronize()
         times.append(a.elapsed_time(b) / 1e3)
-    s._primed = False  # slot 0 no longer holds the next step's first layer
     return host.numel() * host.element_size() / statistics.median(times)
 
 

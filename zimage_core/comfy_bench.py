@@ -155,123 +155,131 @@ def worker(a):
     with simulated_card(a.card):
         patcher_kind = _comfy_init(a.comfy, a.dynamic == "on", a.cpu)
         import torch
-        import comfy.model_management as mm
-        import folder_paths
-        import nodes
-        for kind in ("diffusion_models", "text_encoders", "vae"):
-            folder_paths.add_model_folder_path(kind, a.weights)
-        tiled = []
+        with torch.inference_mode():  # as ComfyUI's executor runs every node
+            result = _images(a, patcher_kind)
+    print(json.dumps(result))
 
-        class TiledWatch(logging.Handler):
-            def emit(self, record):
-                if "tiled" in record.getMessage():
-                    tiled.append(record.getMessage())
 
-        logging.getLogger().addHandler(TiledWatch())
-        sys.path.insert(0, os.path.dirname(PACK_DIR))
-        import importlib
-        pack = importlib.import_module(os.path.basename(PACK_DIR) + ".nodes")
+def _images(a, patcher_kind):
+    """Both pipelines' images in ComfyUI's process on the simulated card, and the probes."""
+    import torch
+    import comfy.model_management as mm
+    import folder_paths
+    import nodes
+    for kind in ("diffusion_models", "text_encoders", "vae"):
+        folder_paths.add_model_folder_path(kind, a.weights)
+    tiled = []
 
-        def sync():
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()
+    class TiledWatch(logging.Handler):
+        def emit(self, record):
+            if "tiled" in record.getMessage():
+                tiled.append(record.getMessage())
 
-        def timed(fn):
-            sync()
-            t = time.perf_counter()
-            r = fn()
-            sync()
-            return r, time.perf_counter() - t
+    logging.getLogger().addHandler(TiledWatch())
+    sys.path.insert(0, os.path.dirname(PACK_DIR))
+    import importlib
+    pack = importlib.import_module(os.path.basename(PACK_DIR) + ".nodes")
 
-        clip = nodes.CLIPLoader().load_clip("qwen_3_4b.safetensors", type="lumina2")[0]
-        vae = nodes.VAELoader().load_vae("ae.safetensors")[0]
-        rows, images = [], {}
+    def sync():
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
 
-        zcomfy = importlib.import_module(os.path.basename(PACK_DIR) + ".zimage_core.comfy")  # the nodes' instance
+    def timed(fn):
+        sync()
+        t = time.perf_counter()
+        r = fn()
+        sync()
+        return r, time.perf_counter() - t
 
-        def encode(node, pack_node):
-            """The encode node's time and where the text encoder ran: streamed (its GiB on the GPU)
-            or loaded by ComfyUI (the share of it on the GPU)."""
-            cond, t = timed(node)
-            te = zcomfy._text_encoders.get(clip.patcher)
-            if pack_node and te is not None and te.loaded_size():
-                te_where.append(f"streamed, {te.loaded_size() / 2**30:.2f} GiB on GPU")
-            else:
-                te_where.append(f"ComfyUI, {clip.patcher.loaded_size() / clip.patcher.model_size():.0%} on GPU")
-            return cond, t
+    clip = nodes.CLIPLoader().load_clip("qwen_3_4b.safetensors", type="lumina2")[0]
+    vae = nodes.VAELoader().load_vae("ae.safetensors")[0]
+    rows, images = [], {}
 
-        te_where = []
+    zcomfy = importlib.import_module(os.path.basename(PACK_DIR) + ".zimage_core.comfy")  # the nodes' instance
 
-        def row(pipeline, i, te, ts, td, split):
-            rows.append(dict(pipeline=pipeline, image=i + 1, encode=te, sample=ts, decode=td, total=te + ts + td,
-                             text_encoder=te_where[-1], split=split, tiled=len(tiled)))
-            print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    def encode(node, pack_node):
+        """The encode node's time and where the text encoder ran: streamed (its GiB on the GPU)
+        or loaded by ComfyUI (the share of it on the GPU)."""
+        cond, t = timed(node)
+        te = zcomfy._text_encoders.get(clip.patcher)
+        if pack_node and te is not None and te.loaded_size():
+            te_where.append(f"streamed, {te.loaded_size() / 2**30:.2f} GiB on GPU")
+        else:
+            te_where.append(f"ComfyUI, {clip.patcher.loaded_size() / clip.patcher.model_size():.0%} on GPU")
+        return cond, t
 
-        model, load_s = timed(lambda: pack.ZImageModelLoader.execute(
-            "z_image_turbo_bf16.safetensors", "default", "auto", 30, 0.0).result[0])
-        for i, prompt in enumerate(PROMPTS):
+    te_where = []
+
+    def row(pipeline, i, te, ts, td, split):
+        rows.append(dict(pipeline=pipeline, image=i + 1, encode=te, sample=ts, decode=td, total=te + ts + td,
+                         text_encoder=te_where[-1], split=split, tiled=len(tiled)))
+        print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+
+    model, load_s = timed(lambda: pack.ZImageModelLoader.execute(
+        "z_image_turbo_bf16.safetensors", "default", "auto", 30, 0.0).result[0])
+    for i, prompt in enumerate(PROMPTS):
+        cond, te = encode(lambda: pack.ZImageTextEncode.execute(clip, prompt).result[0], True)
+        lat, ts = timed(lambda: pack.ZImageSampler.execute(model, cond, a.size, a.size, 1, 42, a.steps, 1.0, 3.0,
+                                                           "res_multistep", "simple").result[0])
+        s = model.zimage.streamer
+        split = f"{s.n_resident} resident, {len(s.slots)} slots"
+        images[("pack", i)], td = timed(lambda: pack.ZImageDecode.execute(vae, lat).result[0])
+        row("pack", i, te, ts, td, split)
+    breakdown = _breakdown(pack, model, clip, vae, a, timed)
+    free_before = mm.get_free_memory(mm.get_torch_device())
+    seen = []
+
+    class Seen(logging.Handler):
+        def emit(self, record):
+            seen.append(record.getMessage()[:200])
+
+    watch = Seen(level=logging.DEBUG)
+    root = logging.getLogger()
+    level = root.level
+    root.addHandler(watch)
+    root.setLevel(logging.DEBUG)
+    try:
+        stock, stock_s = timed(lambda: nodes.VAEDecode().decode(vae, lat)[0])
+    finally:
+        root.removeHandler(watch)
+        root.setLevel(level)
+    stock_log = [f"free before {free_before / 2**30:.2f} GiB"] + seen
+    stock_same = bool(torch.equal(stock, images[("pack", 1)]))
+    pinned = model.zimage.streamer.pinned_layers
+    if a.lora_rank:
+        # a LoRA on every main layer's five matrices, through the stock loader: the first image
+        # computes the patched weights, the second is the warm image to hold against no LoRA
+        folder_paths.add_model_folder_path("loras", a.weights)
+        name = _write_lora(a.weights, a.lora_rank)
+        lora_model = nodes.LoraLoaderModelOnly().load_lora_model_only(model, name, 1.0)[0]
+        for i, prompt in enumerate(reversed(PROMPTS)):
             cond, te = encode(lambda: pack.ZImageTextEncode.execute(clip, prompt).result[0], True)
-            lat, ts = timed(lambda: pack.ZImageSampler.execute(model, cond, a.size, a.size, 1, 42, a.steps, 1.0, 3.0,
-                                                               "res_multistep", "simple").result[0])
-            s = model.zimage.streamer
-            split = f"{s.n_resident} resident, {len(s.slots)} slots"
-            images[("pack", i)], td = timed(lambda: pack.ZImageDecode.execute(vae, lat).result[0])
-            row("pack", i, te, ts, td, split)
-        breakdown = _breakdown(pack, model, clip, vae, a, timed)
-        free_before = mm.get_free_memory(mm.get_torch_device())
-        seen = []
+            lat, ts = timed(lambda: pack.ZImageSampler.execute(lora_model, cond, a.size, a.size, 1, 42, a.steps,
+                                                               1.0, 3.0, "res_multistep", "simple").result[0])
+            _, td = timed(lambda: pack.ZImageDecode.execute(vae, lat).result[0])
+            row("pack+lora", i, te, ts, td, "")
+        del lora_model
+    del model, lat
+    mm.unload_all_models()
+    mm.soft_empty_cache()
 
-        class Seen(logging.Handler):
-            def emit(self, record):
-                seen.append(record.getMessage()[:200])
-
-        watch = Seen(level=logging.DEBUG)
-        root = logging.getLogger()
-        level = root.level
-        root.addHandler(watch)
-        root.setLevel(logging.DEBUG)
-        try:
-            stock, stock_s = timed(lambda: nodes.VAEDecode().decode(vae, lat)[0])
-        finally:
-            root.removeHandler(watch)
-            root.setLevel(level)
-        stock_log = [f"free before {free_before / 2**30:.2f} GiB"] + seen
-        stock_same = bool(torch.equal(stock, images[("pack", 1)]))
-        pinned = model.zimage.streamer.pinned_layers
-        if a.lora_rank:
-            # a LoRA on every main layer's five matrices, through the stock loader: the first image
-            # computes the patched weights, the second is the warm image to hold against no LoRA
-            folder_paths.add_model_folder_path("loras", a.weights)
-            name = _write_lora(a.weights, a.lora_rank)
-            lora_model = nodes.LoraLoaderModelOnly().load_lora_model_only(model, name, 1.0)[0]
-            for i, prompt in enumerate(reversed(PROMPTS)):
-                cond, te = encode(lambda: pack.ZImageTextEncode.execute(clip, prompt).result[0], True)
-                lat, ts = timed(lambda: pack.ZImageSampler.execute(lora_model, cond, a.size, a.size, 1, 42, a.steps,
-                                                                   1.0, 3.0, "res_multistep", "simple").result[0])
-                _, td = timed(lambda: pack.ZImageDecode.execute(vae, lat).result[0])
-                row("pack+lora", i, te, ts, td, "")
-            del lora_model
-        del model, lat
-        mm.unload_all_models()
-        mm.soft_empty_cache()
-
-        unet = nodes.UNETLoader().load_unet("z_image_turbo_bf16.safetensors", "default")[0]
-        for i, prompt in enumerate(PROMPTS):
-            cond, te = encode(lambda: nodes.CLIPTextEncode().encode(clip, prompt)[0], False)
-            negative = nodes.ConditioningZeroOut().zero_out(cond)[0]
-            latent = {"samples": torch.zeros([1, 16, a.size // 8, a.size // 8], device=mm.intermediate_device())}
-            # ZImage samples with shift 3 by default: what ModelSamplingAuraFlow(3) installs
-            lat, ts = timed(lambda: nodes.KSampler().sample(unet, 42, a.steps, 1.0, "res_multistep", "simple",
-                                                            cond, negative, latent)[0])
-            images[("official", i)], td = timed(lambda: nodes.VAEDecode().decode(vae, lat)[0])
-            row("official", i, te, ts, td, "")
-        diff = [float((images[("pack", i)] - images[("official", i)]).abs().nan_to_num(0).max()) * 255
-                for i in range(len(PROMPTS))]
-        del unet
-        alone = _decode_alone(vae, lat, tiled, timed)
-    print(json.dumps(dict(card=a.card, dynamic=a.dynamic, patcher=patcher_kind, load_s=load_s, pinned_layers=pinned,
-                          pack_breakdown=breakdown, stock_vaedecode_s=stock_s, stock_vaedecode_same=stock_same, stock_vaedecode_log=stock_log,
-                          decode_alone=alone, rows=rows, tiled=tiled, max_pixel_diff=diff)))
+    unet = nodes.UNETLoader().load_unet("z_image_turbo_bf16.safetensors", "default")[0]
+    for i, prompt in enumerate(PROMPTS):
+        cond, te = encode(lambda: nodes.CLIPTextEncode().encode(clip, prompt)[0], False)
+        negative = nodes.ConditioningZeroOut().zero_out(cond)[0]
+        latent = {"samples": torch.zeros([1, 16, a.size // 8, a.size // 8], device=mm.intermediate_device())}
+        # ZImage samples with shift 3 by default: what ModelSamplingAuraFlow(3) installs
+        lat, ts = timed(lambda: nodes.KSampler().sample(unet, 42, a.steps, 1.0, "res_multistep", "simple",
+                                                        cond, negative, latent)[0])
+        images[("official", i)], td = timed(lambda: nodes.VAEDecode().decode(vae, lat)[0])
+        row("official", i, te, ts, td, "")
+    diff = [float((images[("pack", i)] - images[("official", i)]).abs().nan_to_num(0).max()) * 255
+            for i in range(len(PROMPTS))]
+    del unet
+    alone = _decode_alone(vae, lat, tiled, timed)
+    return dict(card=a.card, dynamic=a.dynamic, patcher=patcher_kind, load_s=load_s, pinned_layers=pinned,
+                pack_breakdown=breakdown, stock_vaedecode_s=stock_s, stock_vaedecode_same=stock_same,
+                stock_vaedecode_log=stock_log, decode_alone=alone, rows=rows, tiled=tiled, max_pixel_diff=diff)
 
 
 def main(argv=None):
@@ -316,7 +324,8 @@ def main(argv=None):
                       f"TE {w['text_encoder']}  tiled so far {w['tiled']}  {w['split']}", flush=True)
             print(f"      stock VAEDecode of a pack latent {res['stock_vaedecode_s']:.2f} s, same as the pack's "
                   f"decode: {res['stock_vaedecode_same']}; pack vs official max pixel difference "
-                  f"{', '.join(f'{d:.2f}' for d in res['max_pixel_diff'])} / 255", flush=True)
+                  f"{', '.join(f'{d:.2f}' for d in res['max_pixel_diff'])} / 255; {res['pinned_layers']} layers "
+                  "have pinned host copies", flush=True)
             d = res["decode_alone"]
             print(f"      stock VAEDecode with nothing else loaded: {d['s']:.2f} s, tiled: {d['tiled']}; ComfyUI asks "
                   f"{d['asked_gib']:.2f} GiB ({d['vae_dtype']}), {d['free_gib']:.2f} GiB free after loading the VAE; the "

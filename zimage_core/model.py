@@ -196,15 +196,17 @@ class ZImageDiT(nn.Module):
         # attention_mask is ignored, as ComfyUI v0.20 does for Z-Image: pad tokens are attended.
         cfg, p = self.cfg, self.cfg.patch_size
         dev = self.x_pad_token.device
-        self.runner.prefetch_first()
         bs, _, h, w = x.shape
+        # the inputs cross the bus before the first layer uploads queue up on the copy engine
         x = x.to(device=dev, dtype=self.dtype)
+        timesteps, context = timesteps.to(dev), context.to(device=dev, dtype=self.dtype)
+        self.runner.prefetch_first()
         x = F.pad(x, (0, (-w) % p, 0, (-h) % p), mode="circular")
         H, W = x.shape[-2:]
-        t = 1.0 - timesteps.to(dev)
+        t = 1.0 - timesteps
         t = self.t_embedder.mlp(timestep_embedding(t * cfg.time_scale, cfg.t_dim).to(self.dtype))
 
-        cap = self.cap_embedder(context.to(device=dev, dtype=self.dtype))
+        cap = self.cap_embedder(context)
         cap = _pad(cap, self.cap_pad_token, cfg.pad_multiple)
         n_cap = cap.shape[1]
         cap_ids = torch.zeros(bs, n_cap, 3, dtype=torch.float32, device=dev)

@@ -125,11 +125,9 @@ class StreamedStack:
                 hooks.append(layer.register_forward_hook(self._point(i, to_slot=False)))
             for (m, kind, name), t in zip(self.outside, self._outside_device):
                 getattr(m, kind)[name] = torch.nn.Parameter(t, requires_grad=False) if kind == "_parameters" else t
-            self.streamer.prefetch_first()
             yield
         except BaseException:
-            self.streamer.invalidate()  # stopped mid-forward: the ring is not where it should be
-            self._next = 0
+            self._next = 0  # stopped mid-forward: the next one starts from the first layer
             raise
         finally:
             for h in hooks:
@@ -148,6 +146,8 @@ class StreamedStack:
             if to_slot and i != self._next:
                 raise RuntimeError(f"{type(self.root).__name__}: layer {i} ran where layer {self._next} was "
                                    "expected; a streamed stack must run its layers in order")
+            if to_slot and i == 0:
+                self.streamer.prefetch_first()
             views = self.streamer.begin(i) if to_slot else self._running[i]
             for k, (m, n) in self.slots_of[i].items():
                 m._parameters[n] = torch.nn.Parameter(views[k], requires_grad=False) if to_slot else views[k]

@@ -80,7 +80,6 @@ class LayerStreamer:
         self.profile = False
         self.copy_events = []                  # (start, end) per upload while profiling
         self.uploads = 0                       # streamed uploads since the last reset
-        self._primed = False                   # first uploads of this forward already issued
 
     # -- host side -------------------------------------------------------------------------
 
@@ -105,10 +104,6 @@ class LayerStreamer:
                 buf = torch.empty(self.layout.numel, dtype=self.layout.dtype)
             self.layout.fill(buf, self.sources[i])
             self.host[i] = buf
-
-    def invalidate(self):
-        """Slots may hold stale copies: upload again at the next forward."""
-        self._primed = False
 
     @property
     def pinned_layers(self) -> int:
@@ -141,7 +136,6 @@ class LayerStreamer:
         """Make layers [0, n_resident) resident with ``n_slots`` slots for the rest (0 slots: only
         the resident layers stay on the device, as when the model is offloaded). Frees before it
         allocates, so a shrinking split never needs extra memory."""
-        self._primed = False
         n_resident = max(0, min(n_resident, self.n_layers))
         n_slots = 0 if n_resident == self.n_layers or n_slots == 0 else min(n_slots, self.n_layers - n_resident)
         self.synchronize()
@@ -204,26 +198,16 @@ class LayerStreamer:
             self._ready[k].record(self.copy_stream)
 
     def prefetch_first(self):
-        """Start the uploads of the first streamed layers, unless the previous forward already
-        did: the ring runs on across steps, so these uploads overlap the end of the last step
-        (final layer, sampler) and the start of this one (embedders, refiners, resident layers)."""
-        if self._primed:
-            return
+        """Start the uploads of the first streamed layers; they overlap the resident layers.
+        Not earlier (say, at the end of the previous forward): uploads queued on the copy engine
+        hold up every small host-to-device copy issued meanwhile, such as the sampler sending the
+        conditioning for the next step, and the GPU would wait for the whole queue."""
         r, k = self.n_resident, len(self.slots)
         for j in range(min(k, self.n_layers - r)):
             self._prefetch(r + j, j)
-        self._primed = True
 
     def run_layers(self, x, layer_fn):
         """x -> layer_fn(i, x, BigWeights) for every main layer, streaming the suffix."""
-        try:
-            return self._run_layers(x, layer_fn)
-        except BaseException:  # interrupt or out of memory mid-step: the ring is not where it should be
-            self._primed = False
-            raise
-
-    def _run_layers(self, x, layer_fn):
-        self.prefetch_first()
         for i in range(self.n_layers):
             x = layer_fn(i, x, self.begin(i))
             self.end(i)
@@ -240,13 +224,13 @@ class LayerStreamer:
         return self.layout.views(self.slots[s])
 
     def end(self, i):
-        """Layer i's kernels are queued: its slot is refilled once they finish, with the layer k
-        places on or, past the end, with the layer that uses this slot first in the next forward."""
+        """Layer i's kernels are queued: its slot is refilled with the layer k places on once
+        they finish."""
         r, k = self.n_resident, len(self.slots)
         if i < r:
             return
-        j, s = i - r, (i - r) % k
+        s = (i - r) % k
         if self.cuda:
             self._free[s].record(torch.cuda.current_stream(self.device))
-        streamed = range(r, self.n_layers)
-        self._prefetch(streamed[j + k] if j + k < len(streamed) else streamed[s], s)
+        if i + k < self.n_layers:
+            self._prefetch(i + k, s)

@@ -336,7 +336,6 @@ class ZImageTransformer(torch.nn.Module):
         layout.region(self.streamer.host[owner], name).copy_(value)
         if owner in self.streamer.resident:
             layout.region(self.streamer.resident[owner], name).copy_(value)
-        self.streamer.invalidate()
 
     def _measure_ratio(self, tokens) -> float:
         """Compute time of one layer over upload time of one layer, timed on this device."""
