@@ -18,11 +18,14 @@ import argparse
 import json
 import logging
 import os
+import statistics
 import subprocess
 import sys
 import time
 
-PROMPTS = ["a lighthouse on a cliff at dawn, oil painting", "a red fox in fresh snow, photograph"]
+# the first image loads; the others are warm images, each with a new prompt (reported as a median)
+PROMPTS = ["a lighthouse on a cliff at dawn, oil painting", "a red fox in fresh snow, photograph",
+           "a glass teapot on a wooden table, morning light", "a city street at night in the rain, neon signs"]
 PACK_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -244,7 +247,7 @@ def _images(a, patcher_kind):
         root.removeHandler(watch)
         root.setLevel(level)
     stock_log = [f"free before {free_before / 2**30:.2f} GiB"] + seen
-    stock_same = bool(torch.equal(stock, images[("pack", 1)]))
+    stock_same = bool(torch.equal(stock, images[("pack", len(PROMPTS) - 1)]))
     pinned = model.zimage.streamer.pinned_layers
     if a.lora_rank:
         # a LoRA on every main layer's five matrices, through the stock loader: the first image
@@ -322,6 +325,13 @@ def main(argv=None):
                 print(f"{card:>5} GiB  dynamic {dyn:3}  {w['pipeline']:8} image {w['image']}  encode {w['encode']:.2f}  "
                       f"sample {w['sample']:.2f}  decode {w['decode']:.2f}  total {w['total']:.2f}  "
                       f"TE {w['text_encoder']}  tiled so far {w['tiled']}  {w['split']}", flush=True)
+            warm = {p: {k: statistics.median(w[k] for w in res["rows"] if w["pipeline"] == p and w["image"] > 1)
+                        for k in ("encode", "sample", "decode", "total")} for p in ("pack", "official")}
+            print(f"      warm image, median of {len(PROMPTS) - 1}: pack {warm['pack']['total']:.2f} "
+                  f"({warm['pack']['encode']:.2f} / {warm['pack']['sample']:.2f} / {warm['pack']['decode']:.2f}), "
+                  f"official {warm['official']['total']:.2f} ({warm['official']['encode']:.2f} / "
+                  f"{warm['official']['sample']:.2f} / {warm['official']['decode']:.2f}); pack faster "
+                  f"{warm['official']['total'] / warm['pack']['total']:.2f}x", flush=True)
             print(f"      stock VAEDecode of a pack latent {res['stock_vaedecode_s']:.2f} s, same as the pack's "
                   f"decode: {res['stock_vaedecode_same']}; pack vs official max pixel difference "
                   f"{', '.join(f'{d:.2f}' for d in res['max_pixel_diff'])} / 255; {res['pinned_layers']} layers "

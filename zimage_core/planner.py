@@ -68,27 +68,24 @@ def activation_bytes(cfg: ZImageConfig, width, height, batch=1, cap_tokens=512,
     return batch * tokens * per_token + upcast + 64 * MiB
 
 
-def simulate_step(resident, streamed, slots, compute, copy, fixed=0.0, steps=3) -> float:
-    """Steady-state time of one step. Per step the GPU computes ``fixed`` (embedders, refiners,
-    final layer: no streamed weights) and the resident layers, then the streamed ones, each
-    waiting for its upload; uploads run in order on one copy stream, each into the slot its
-    previous user has finished with, and run on into the next step."""
+def simulate_step(resident, streamed, slots, compute, copy, fixed=0.0) -> float:
+    """Time of one step. The GPU computes ``fixed`` (embedders, refiners, final layer, sampler:
+    no streamed weights) and the resident layers, then the streamed ones, each waiting for its
+    upload. Uploads start with the step, run in order on one copy stream, each into the slot its
+    previous user has finished with, and stop at the step's last layer."""
     k = max(slots, 1)
-    ready, copy_end, t = [0.0] * k, 0.0, 0.0
+    ready, copy_end = [0.0] * k, 0.0
     for s in range(min(k, streamed)):
         copy_end += copy
         ready[s] = copy_end
-    step = 0.0
-    for _ in range(steps):
-        start = t
-        t += fixed + resident * compute
-        for j in range(streamed):
-            s = j % k
-            t = max(t, ready[s]) + compute
+    t = fixed + resident * compute
+    for j in range(streamed):
+        s = j % k
+        t = max(t, ready[s]) + compute
+        if j + k < streamed:
             copy_end = max(copy_end, t) + copy
             ready[s] = copy_end
-        step = t - start
-    return step
+    return t
 
 
 def plan(cfg: ZImageConfig, free_bytes: int, width: int, height: int, batch: int = 1,
@@ -108,7 +105,8 @@ def plan(cfg: ZImageConfig, free_bytes: int, width: int, height: int, batch: int
             r, k = max(m - 2, 0), min(2, max(m, 1))
         else:
             img = cfg.image_tokens(width, height)
-            fixed = cfg.n_refiner_layers * img / (img + 512) + 0.25  # refiners, final layer, sampler
+            # refiners, final layer and sampler, in layers' worth of compute
+            fixed = (cfg.n_refiner_layers * img / (img + 512) + 0.25) * compute_copy_ratio
             r, k = min(options, key=lambda o: (
                 round(simulate_step(o[0], n - o[0], o[1], compute_copy_ratio, 1.0, fixed), 3), -o[0]))
         k = min(k, n - r)
