@@ -48,7 +48,7 @@ def test_streamed_stack_equals_whole_model(device, slots):
     stack = StreamedStack(enc, device, HostPool(), slots=slots)
     if slots < len(enc.layers):
         assert stack.loaded_bytes < sum(p.nbytes for p in enc.parameters())
-    for _ in range(3):  # the ring runs on across forwards and across runs
+    for _ in range(3):  # the slots are reused across forwards and across runs
         with stack.running():
             assert torch.equal(enc(ids), whole)
             assert torch.equal(enc(ids), whole)
