@@ -6,7 +6,9 @@ import torch
 from conftest import TINY, inputs
 from zimage_core import host_memory
 from zimage_core.errors import OutOfDeviceMemory
+from zimage_core.host_memory import HostPool
 from zimage_core.schedule import euler_sample
+from zimage_core.streamer import LayerStreamer, PackLayout
 from zimage_core.transformer import ZImageTransformer
 
 
@@ -171,3 +173,25 @@ def test_set_weight_reaches_resident_and_streamed_layers_and_restores(tiny_file)
     shapes = m.state_dict()
     assert shapes["layers.0.attention.qkv.weight"].is_meta and shapes["x_embedder.weight"].device.type == "cpu"
     m.release()
+
+
+def test_uploads_start_with_the_forward_and_stop_at_its_last_layer():
+    """Nothing is left queued on the copy engine between forwards: a queued upload would hold up
+    the small copies a sampler makes between steps. Each forward uploads its streamed layers once,
+    in order, starting with its first streamed layer."""
+    shapes = {"w": (4, 8)}
+    layout = PackLayout(shapes, torch.float32)
+    n, r, k = 7, 2, 3
+    sources = [{"w": [(0, torch.full((4, 8), float(i)))]} for i in range(n)]
+    s = LayerStreamer(layout, sources, "cpu", HostPool())
+    s.configure(r, k)
+    seen = []
+    for forward in range(2):
+        s.uploads = 0
+        s.prefetch_first()
+        out = s.run_layers([], lambda i, x, w: x + [int(w["w"][0, 0])])
+        assert out == list(range(n))
+        assert s.uploads == n - r
+        # the slots still hold this forward's last layers, not the next forward's first ones
+        seen.append(sorted(int(t[0]) for t in s.slots))
+    assert seen == [[4, 5, 6], [4, 5, 6]]
