@@ -251,7 +251,7 @@ def _images(a, patcher_kind):
     pinned = model.zimage.streamer.pinned_layers
     if a.lora_rank:
         # a LoRA on every main layer's five matrices, through the stock loader: the first image
-        # computes the patched weights, the second is the warm image to hold against no LoRA
+        # computes the patched weights, the others are warm images to hold against no LoRA
         folder_paths.add_model_folder_path("loras", a.weights)
         name = _write_lora(a.weights, a.lora_rank)
         lora_model = nodes.LoraLoaderModelOnly().load_lora_model_only(model, name, 1.0)[0]
