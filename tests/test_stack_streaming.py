@@ -1,7 +1,9 @@
-"""Another model's layer stack streamed through slots: same output as the model run whole."""
+"""Another model run from pinned host masters (``DeviceCopies``: a VAE) and its layer stack streamed
+through slots (``StreamedStack``: a text encoder): same output as the model run whole."""
 import pytest
 import torch
 
+from zimage_core.device_copies import DeviceCopies, module_tensors
 from zimage_core.host_memory import HostPool, live_bytes
 from zimage_core.stack_streaming import StreamedStack, UnsupportedStack
 
@@ -88,3 +90,36 @@ def test_a_model_without_a_uniform_stack_is_refused():
         StreamedStack(enc, "cpu", HostPool())
     with pytest.raises(UnsupportedStack, match="no stack"):
         StreamedStack(torch.nn.Linear(3, 3), "cpu", HostPool())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_device_copies_equal_the_model_and_leave_it_as_it_was(device):
+    torch.manual_seed(2)
+    enc = Encoder().requires_grad_(False)
+    ids = torch.randint(0, 50, (2, 7), device=device)
+    whole = enc.to(device)(ids)
+    enc.cpu()
+    own = {k: v.data_ptr() for k, v in enc.state_dict().items()}
+    before = live_bytes()
+    pool = HostPool()
+    copies = DeviceCopies(module_tensors(enc), device, pool)
+    assert copies.loaded_bytes == sum(t.nbytes for t in enc.state_dict().values())
+    for _ in range(2):
+        with copies.running():
+            assert {k: v.data_ptr() for k, v in enc.state_dict().items()}.keys() == own.keys()
+            assert all(v.device == ids.device for v in enc.state_dict().values())
+            assert torch.equal(enc(ids), whole)
+        assert {k: v.data_ptr() for k, v in enc.state_dict().items()} == own
+    assert copies.device_bytes() == copies.loaded_bytes
+    assert copies.unload() == copies.loaded_bytes and copies.device_bytes() == 0
+
+    def stop(*_):
+        raise KeyboardInterrupt
+    h = enc.layers[1].register_forward_pre_hook(stop)
+    with pytest.raises(KeyboardInterrupt), copies.running():  # loads again, then is interrupted
+        enc(ids)
+    h.remove()
+    assert {k: v.data_ptr() for k, v in enc.state_dict().items()} == own
+    copies.release()
+    pool.release_all()
+    assert live_bytes() == before

@@ -15,16 +15,19 @@ import weakref
 
 import torch
 
+import comfy.conds
 import comfy.float
 import comfy.ldm.modules.attention
 import comfy.lora
 import comfy.model_base
 import comfy.model_management as mm
 import comfy.model_patcher
+import comfy.patcher_extension
 import comfy.supported_models
 
 from . import planner
 from .checkpoint import Checkpoint
+from .device_copies import DeviceCopies, module_tensors
 from .host_memory import HostPool
 from .stack_streaming import StreamedStack, UnsupportedStack
 from .transformer import COMPUTE_DTYPES, STORAGE_DTYPES, ZImageTransformer
@@ -50,6 +53,16 @@ class ZImageModel(comfy.model_base.Lumina2):
         b, h, w = input_shape[0], input_shape[-2] * 8, input_shape[-1] * 8
         t.expected = (w, h, b)
         return planner.activation_bytes(t.cfg, w, h, b, dtype=t.dtype, storage=t.storage_dtype)
+
+    def extra_conds(self, **kwargs):
+        """ComfyUI's conds, with the prompt's embeddings put on the device once per sampling run.
+        ComfyUI would copy them from host memory at every step: a copy from pageable memory that
+        makes the host wait for the step before and queues behind the layer uploads on the bus."""
+        out = super().extra_conds(**kwargs)
+        c, device = out.get("c_crossattn"), kwargs.get("device")
+        if c is not None and device is not None:
+            out["c_crossattn"] = comfy.conds.CONDRegular(c.cond.to(device))
+        return out
 
 
 class ZImagePatcher(comfy.model_patcher.ModelPatcher):
@@ -132,82 +145,109 @@ class ZImagePatcher(comfy.model_patcher.ModelPatcher):
         self.model.device = t.device if t.on_device else self.offload_device
 
 
-class TextEncoderPatcher(comfy.model_patcher.ModelPatcher):
-    """A CLIP's text encoder as ComfyUI sees it while its decoder layers stream: a model whose size
-    is what it needs on the GPU (embeddings, final norm, a few layer slots: about 1 GB for
-    Qwen3-4B), so making room for it evicts a few transformer layers instead of all of them, and
-    unloading it is free (its host masters stay)."""
+class PinnedPatcher(comfy.model_patcher.ModelPatcher):
+    """Another model as ComfyUI sees it while the pack runs it from pinned host masters: a model
+    whose size is what it needs on the GPU (a streamed text encoder: its embeddings, final norm and
+    a few layer slots, about 1 GB for Qwen3-4B; the VAE: its 168 MB), so making room for it evicts
+    a few transformer layers instead of all of them, and unloading it is free (the masters stay).
+    ``part`` is the ``StreamedStack`` or ``DeviceCopies`` that holds the device buffers."""
 
-    def __init__(self, clip_patcher, stack: StreamedStack):
-        super().__init__(clip_patcher.model, clip_patcher.load_device, clip_patcher.offload_device,
-                         size=stack.loaded_bytes)
-        self.stack = stack
+    def __init__(self, owner, part):
+        super().__init__(owner.model, owner.load_device, owner.offload_device, size=part.loaded_bytes)
+        self.part = part
 
     def model_size(self):
-        return self.stack.loaded_bytes
+        return self.part.loaded_bytes
 
     def loaded_size(self):
-        return self.stack.device_bytes()
+        return self.part.device_bytes()
 
     def load(self, device_to=None, lowvram_model_memory=0, force_patch_weights=False, full_load=False, **kwargs):
-        self.stack.load()
+        self.part.load()
 
     def partially_load(self, device_to, extra_memory=0, force_patch_weights=False):
         before = self.loaded_size()
-        self.stack.load()
+        self.part.load()
         return self.loaded_size() - before
 
     def partially_unload(self, device_to, memory_to_free=0, force_patch_weights=False):
-        return self.stack.unload()
+        return self.part.unload()
 
     def unpatch_model(self, device_to=None, unpatch_weights=True):
         super().unpatch_model(device_to, unpatch_weights=False)
         if unpatch_weights:
-            self.stack.unload()
+            self.part.unload()
 
     def model_mmap_residency(self, free=False):
         return 0, 0
 
     def pinned_memory_size(self):
-        return self.stack.pool.used
+        return self.part.pool.used
 
 
-# one streamed text encoder per CLIP patcher, alive as long as that patcher (and its model) is
-_text_encoders: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+# the pack's patcher for another model, one per ComfyUI patcher, alive as long as that patcher is
+_pinned: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def _loaded_by_comfy(clip) -> bool:
-    """ComfyUI holds the text encoder's weights on the GPU now (never true on a CPU-only setup,
+def _loaded_by_comfy(p) -> bool:
+    """ComfyUI holds this patcher's weights on the GPU now (never true on a CPU-only setup,
     where loading moves nothing)."""
-    p = clip.patcher
     return p.load_device != p.offload_device and any(
         lm.model is p and p.loaded_size() > 0 for lm in mm.current_loaded_models)
 
 
-def streamed_text_encoder(clip):
-    """The CLIP with its text encoder streamed, or None where ComfyUI's own path must run it:
-    weight patches or hooks on the text encoder (a LoRA), the text encoder already loaded by
-    ComfyUI, or a model whose layers cannot be streamed (a quantized format)."""
-    p = clip.patcher
-    if p.patches or getattr(p, "forced_hooks", None) is not None or _loaded_by_comfy(clip):
+def _pinned_patcher(p, root, make_part, what):
+    """The pack's ``PinnedPatcher`` for ComfyUI's patcher ``p``, or None where ComfyUI's own path
+    must run the model: weight patches or hooks on it (a LoRA), ComfyUI holding it on the GPU now
+    (the pack's device copies are then dropped: one copy on the GPU is enough), Dynamic VRAM
+    managing its weights, or a model ``make_part`` cannot serve (``UnsupportedStack``)."""
+    mine = _pinned.get(p)
+    if p.patches or getattr(p, "forced_hooks", None) is not None or _loaded_by_comfy(p):
+        if mine is not None:
+            mine.part.unload()
         return None
-    if any(hasattr(m, "_v") for m in clip.cond_stage_model.modules()):
+    if any(hasattr(m, "_v") for m in root.modules()):
         return None  # ComfyUI's Dynamic VRAM loader has prepared these weights as its own
-    te = _text_encoders.get(p)
-    if te is None:
+    if mine is None:
         try:
             # on the CPU the model's own tensors are the masters: no packed copy
             pool = HostPool(0 if torch.device(p.load_device).type == "cpu" else None)
-            stack = StreamedStack(clip.cond_stage_model, p.load_device, pool)
+            part = make_part(pool)
         except UnsupportedStack as e:
-            log.info("Z-Image: the text encoder runs through ComfyUI's loader: %s", e)
+            log.info("Z-Image: the %s runs through ComfyUI's loader: %s", what, e)
             return None
-        te = _text_encoders[p] = TextEncoderPatcher(p, stack)
-        log.info("Z-Image: text encoder streamed: %d layers through %d slots, %.2f GiB on the device",
-                 len(stack.layers), stack.n_slots, stack.loaded_bytes / planner.GiB)
+        mine = _pinned[p] = PinnedPatcher(p, part)
+        # ComfyUI's own patcher (or a clone of it) loading this model takes ours off the model
+        # manager's list without unloading it: drop our copies then, one copy on the GPU is enough
+        ref = weakref.ref(mine)
+        p.add_callback(comfy.patcher_extension.CallbacksMP.ON_LOAD, lambda *_: ref() and ref().part.unload())
+    return mine
+
+
+def _streamed_stack(clip, pool):
+    stack = StreamedStack(clip.cond_stage_model, clip.patcher.load_device, pool)
+    log.info("Z-Image: text encoder streamed: %d layers through %d slots, %.2f GiB on the device",
+             len(stack.layers), stack.n_slots, stack.loaded_bytes / planner.GiB)
+    return stack
+
+
+def streamed_text_encoder(clip):
+    """The CLIP with its text encoder streamed, or None where ComfyUI's own path must run it."""
+    te = _pinned_patcher(clip.patcher, clip.cond_stage_model, lambda pool: _streamed_stack(clip, pool),
+                         "text encoder")
+    if te is None:
+        return None
     n = clip.clone()
     n.patcher = te
     return n
+
+
+def pinned_vae(vae):
+    """The pack's patcher for ``vae`` (its weights uploaded from pinned masters, its unload free),
+    or None where ComfyUI's own VAE patcher must run the decode."""
+    model = vae.first_stage_model
+    return _pinned_patcher(vae.patcher, model,
+                           lambda pool: DeviceCopies(module_tensors(model), vae.patcher.load_device, pool), "VAE")
 
 
 def encode(clip, text):
@@ -221,7 +261,7 @@ def encode(clip, text):
     for attempt in range(2):
         try:
             mm.load_models_gpu([streamed.patcher])  # room first, through the model manager
-            with streamed.patcher.stack.running():
+            with streamed.patcher.part.running():
                 return streamed.encode_from_tokens_scheduled(tokens)
         except torch.OutOfMemoryError:
             if attempt:

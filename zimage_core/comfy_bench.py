@@ -204,7 +204,7 @@ def _images(a, patcher_kind):
         """The encode node's time and where the text encoder ran: streamed (its GiB on the GPU)
         or loaded by ComfyUI (the share of it on the GPU)."""
         cond, t = timed(node)
-        te = zcomfy._text_encoders.get(clip.patcher)
+        te = zcomfy._pinned.get(clip.patcher)
         if pack_node and te is not None and te.loaded_size():
             te_where.append(f"streamed, {te.loaded_size() / 2**30:.2f} GiB on GPU")
         else:

@@ -1,0 +1,78 @@
+"""Another model's tensors run from pinned host masters: device copies that a run swaps in.
+
+The model is left as it is between runs (its tensors stay wherever its owner keeps them).
+``load()`` makes the masters once (pinned up to the pool's cap) and uploads device copies;
+``running()`` points the model's parameters and buffers at the copies and back afterwards.
+Unloading drops the copies and copies nothing back, so making room is free, and loading again
+is one upload from pinned memory. Same values, same kernels: the output is the model's own.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from .host_memory import HostPool
+from .streamer import device_of
+
+
+def copy_source(t):
+    """A tensor as a copy source; a meta tensor (a key missing from the file) reads as zeros, as
+    the model's own loader materialises it."""
+    return torch.zeros((), dtype=t.dtype).expand(t.shape) if t.is_meta else t.detach()
+
+
+def module_tensors(root: torch.nn.Module, skip: set = frozenset()) -> list:
+    """[(module, "_parameters" or "_buffers", name)] for every tensor under ``root`` outside the
+    modules whose ids are in ``skip``."""
+    return [(m, kind, name) for m in root.modules() if id(m) not in skip
+            for kind in ("_parameters", "_buffers") for name, v in getattr(m, kind).items() if v is not None]
+
+
+class DeviceCopies:
+    def __init__(self, entries: list, device, pool: HostPool):
+        self.entries, self.device, self.pool = entries, device_of(device), pool
+        self.loaded_bytes = sum(getattr(m, kind)[name].nbytes for m, kind, name in entries)
+        self._host = None    # the masters (pinned where the pool allows), made once
+        self._device = None  # the device copies, while loaded
+
+    def device_bytes(self) -> int:
+        return self.loaded_bytes if self._device is not None else 0
+
+    def load(self):
+        if self._host is None:
+            self._host = [self._master(getattr(m, kind)[name]) for m, kind, name in self.entries]
+        if self._device is None:
+            self._device = [t.to(self.device, non_blocking=True) for t in self._host]
+
+    def _master(self, t):
+        """A pinned copy of ``t``, or ``t`` itself past the pool's cap (on the CPU, where the cap is
+        0, the model's own tensors are the masters and the "copies" are those same tensors)."""
+        buf = self.pool.allocate(t.numel(), t.dtype)
+        if buf is None:
+            return copy_source(t)
+        return buf.view(t.shape).copy_(copy_source(t))
+
+    def unload(self) -> int:
+        """Drop the device copies; returns the bytes freed."""
+        held = self.device_bytes()
+        self._device = None
+        return held
+
+    def release(self):
+        """Device copies and host masters (pinned memory goes back with the pool)."""
+        self.unload()
+        self._host = None
+
+    @contextlib.contextmanager
+    def running(self):
+        """Within: the model's tensors are the device copies."""
+        self.load()
+        saved = [getattr(m, kind)[name] for m, kind, name in self.entries]
+        try:
+            for (m, kind, name), t in zip(self.entries, self._device):
+                getattr(m, kind)[name] = torch.nn.Parameter(t, requires_grad=False) if kind == "_parameters" else t
+            yield
+        finally:
+            for (m, kind, name), t in zip(self.entries, saved):
+                getattr(m, kind)[name] = t
