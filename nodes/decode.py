@@ -28,7 +28,7 @@ def decode_full(vae, samples):
     pinned = zcomfy.pinned_vae(vae)
     mm.load_models_gpu([vae.patcher if pinned is None else pinned], memory_required=need, force_full_load=True)
     out = []
-    with torch.no_grad(), (pinned.part.running() if pinned else contextlib.nullcontext()):
+    with torch.no_grad(), (contextlib.nullcontext() if pinned is None else pinned.part.running()):
         for i in range(samples.shape[0]):
             x = samples[i:i + 1].to(device=vae.device, dtype=vae.vae_dtype)
             img = vae.first_stage_model.decode(x).to(vae.output_device).float()
