@@ -1,17 +1,10 @@
 """fp8 and stock ComfyUI LoRA loading on the pack's MODEL: every layout ComfyUI places, resident and
 streamed layers alike, equals ComfyUI's native Z-Image with the same LoRA (fp32, CPU)."""
-import json
-import os
-import subprocess
-import sys
-
 import torch
 
-from comfy_env import COMFYUI_PATH, needs_comfyui
+from comfy_env import needs_comfyui, run_check
 from conftest import TINY
 from zimage_core.random_weights import write_checkpoint
-
-HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 @needs_comfyui
@@ -20,11 +13,7 @@ def test_lora_matches_comfyui_native(tmp_path):
     write_checkpoint(weights, TINY, dtype=torch.float32, seed=1)
     fp8 = str(tmp_path / "tiny_fp8.safetensors")
     write_checkpoint(fp8, TINY, dtype=torch.float8_e4m3fn, seed=1)
-    out = tmp_path / "lora.json"
-    r = subprocess.run([sys.executable, os.path.join(HERE, "comfy_lora_check.py"), COMFYUI_PATH, weights, fp8, str(out)],
-                       capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-4000:]
-    res = json.loads(out.read_text())
+    res = run_check(tmp_path, "comfy_lora_check.py", weights, fp8, timeout=600)
     assert res["base_vs_native"] == 0.0
     for layout in ("comfyui", "diffusers", "trainer"):
         r = res[layout]
