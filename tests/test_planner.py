@@ -53,10 +53,20 @@ def test_more_slots_when_copies_are_slow_relative_to_compute():
     slow = plan(FULL, int(11.5 * GiB), 1024, 1024, compute_copy_ratio=0.4)
     assert fast.slots == 2 and slow.slots > 2
     # the simulated schedule: copies hidden behind compute when compute is slower
-    assert simulate_step(20, 10, 2, 3.0, 1.0) == pytest.approx(30 * 3.0, abs=1e-6)
-    # copy-bound: one upload per streamed layer, back to back, plus what the slots cannot hide
-    assert simulate_step(0, 10, 2, 0.1, 1.0) == pytest.approx(10.0, abs=0.2)
-    assert simulate_step(5, 10, 2, 0.5, 1.0, fixed=1.0) > simulate_step(5, 10, 4, 0.5, 1.0, fixed=1.0)
+    assert simulate_step(30, 20, 2, 3.0, 1.0) == pytest.approx(30 * 3.0, abs=1e-6)
+    # copy-bound: one upload per streamed layer, back to back, across steps too
+    assert simulate_step(10, 0, 2, 0.1, 1.0) == pytest.approx(10.0, abs=0.2)
+    # a long stretch without streamed layers (the refiners) needs slots to keep the copies going
+    assert simulate_step(15, 5, 2, 0.5, 1.0, fixed=3.0) > simulate_step(15, 5, 4, 0.5, 1.0, fixed=3.0)
+
+
+def test_spread_resident_layers_need_fewer_slots_than_a_block():
+    """At the 5.5 GiB card's ratio, a block of resident layers would need many slots to keep the
+    copy engine busy; spread out, two do, and the memory goes to resident layers."""
+    p = plan(FULL, int(5.5 * GiB), 1024, 1024, compute_copy_ratio=0.57)
+    assert p.slots == 2 and p.resident_layers >= 6
+    streamed = FULL.n_layers - p.resident_layers
+    assert simulate_step(FULL.n_layers, p.resident_layers, p.slots, 0.57, 1.0, fixed=1.2) < streamed + 0.5
 
 
 def _cli(*args):

@@ -8,7 +8,7 @@ from zimage_core import host_memory
 from zimage_core.errors import OutOfDeviceMemory
 from zimage_core.host_memory import HostPool
 from zimage_core.schedule import euler_sample
-from zimage_core.streamer import LayerStreamer, PackLayout
+from zimage_core.streamer import LayerStreamer, PackLayout, residency_order
 from zimage_core.transformer import ZImageTransformer
 
 
@@ -107,7 +107,8 @@ def test_pinned_cap_and_release(tiny_file):
     before = host_memory.live_bytes()
     m = ZImageTransformer.load(tiny_file, device="cpu", dtype="fp32", pinned_cap=2 * layer)
     assert m.streamer.pinned_layers == 2
-    assert m.streamer.host[-1] is not None and m.streamer.host[0] is None  # trailing layers first
+    last = m.streamer.order[::-1]  # the layers that stay streamed longest are pinned first
+    assert all(m.streamer.host[i] is not None for i in last[:2]) and all(m.streamer.host[i] is None for i in last[2:])
     assert host_memory.live_bytes() - before == 2 * layer
     x, t, ctx = inputs(TINY)
     m.prepare(64, 48, resident_layers=TINY.n_layers)
@@ -175,23 +176,62 @@ def test_set_weight_reaches_resident_and_streamed_layers_and_restores(tiny_file)
     m.release()
 
 
-def test_uploads_start_with_the_forward_and_stop_at_its_last_layer():
-    """Nothing is left queued on the copy engine between forwards: a queued upload would hold up
-    the small copies a sampler makes between steps. Each forward uploads its streamed layers once,
-    in order, starting with its first streamed layer."""
-    shapes = {"w": (4, 8)}
-    layout = PackLayout(shapes, torch.float32)
+def test_resident_layers_are_spread_and_nested():
+    """Every count of resident layers spreads them evenly (no run of streamed layers is more than
+    about twice the even share), and one more resident layer keeps the others where they are."""
+    for n in (4, 7, 30, 36):
+        order = residency_order(n)
+        assert sorted(order) == list(range(n))
+        for r in range(1, n):
+            keep = sorted(order[:r])
+            runs = [b - a - 1 for a, b in zip([-1] + keep, keep + [n])]
+            assert max(runs) <= 2 * (n - r) / (r + 1) + 1, (n, r, keep)
+
+
+def test_uploads_run_ahead_into_the_next_forward_only_when_asked():
+    """Each forward uploads its streamed layers once, in order. With ``next_forward`` the slots
+    freed by its last layers take the next forward's first layers (the slot of a layer moves from
+    forward to forward when the streamed count is not a multiple of the slots); without it nothing
+    is queued past the forward. A forward stopped midway leaves the next one right."""
+    layout = PackLayout({"w": (4, 8)}, torch.float32)
     n, r, k = 7, 2, 3
     sources = [{"w": [(0, torch.full((4, 8), float(i)))]} for i in range(n)]
     s = LayerStreamer(layout, sources, "cpu", HostPool())
     s.configure(r, k)
-    seen = []
-    for forward in range(2):
-        s.uploads = 0
+    assert sorted(s.resident) == [1, 3] and s.streamed == [0, 2, 4, 5, 6]
+    s.uploads = 0
+    for forward, ahead in enumerate([True, True, True, False]):
         s.prefetch_first()
-        out = s.run_layers([], lambda i, x, w: x + [int(w["w"][0, 0])])
-        assert out == list(range(n))
-        assert s.uploads == n - r
-        # the slots still hold this forward's last layers, not the next forward's first ones
-        seen.append(sorted(int(t[0]) for t in s.slots))
-    assert seen == [[4, 5, 6], [4, 5, 6]]
+        assert s.run_layers([], lambda i, x, w: x + [int(w["w"][0, 0])], next_forward=ahead) == list(range(n))
+        held = sorted(int(t[0]) for t in s.slots)
+        assert held == ([0, 2, 4] if ahead else [4, 5, 6]), forward
+    assert s.uploads == 4 * (n - r)
+
+    def stop_at_5(i, x, w):
+        if i == 5:
+            raise KeyboardInterrupt
+        return x + [int(w["w"][0, 0])]
+    s.prefetch_first()
+    with pytest.raises(KeyboardInterrupt):
+        s.run_layers([], stop_at_5, next_forward=True)
+    s.prefetch_first()
+    assert s.run_layers([], lambda i, x, w: x + [int(w["w"][0, 0])]) == list(range(n))
+
+
+def test_set_weight_reaches_a_layer_uploaded_ahead(tiny_file):
+    """A forward that another step follows leaves the next step's first streamed layers in their
+    slots; a weight patched in between must still reach them."""
+    m = ZImageTransformer.load(tiny_file, device="cpu", dtype="fp32")
+    x, t, ctx = inputs(TINY)
+    key = "layers.1.feed_forward.w1.weight"
+    m.prepare(64, 48, resident_layers=TINY.n_layers)
+    m.set_weight(key, m.base_weight(key) * 1.5)
+    patched = m(x, t, ctx)
+    m.set_weight(key, m.base_weight(key))
+    m.prepare(64, 48, resident_layers=1)
+    more = {"sample_sigmas": torch.tensor([1.0, 0.5, 0.0]), "sigmas": torch.tensor([1.0])}
+    m(x, t, ctx, transformer_options=more)
+    assert m.streamer.uploads and int(m.streamer._queued) > int(m.streamer._base)
+    m.set_weight(key, m.base_weight(key) * 1.5)
+    assert torch.equal(m(x, t, ctx), patched)
+    m.release()

@@ -137,7 +137,7 @@ def _run(model, dev, width, height, steps, seed, resident_layers, resident, cap_
         "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
         "width": width, "height": height, "steps": steps,
         "resident_layers": s.n_resident, "streamed_layers": s.n_streamed, "slots": len(s.slots),
-        "planned_activation_bytes": plan.activation_bytes,
+        "planned_free_bytes": plan.free_bytes, "planned_activation_bytes": plan.activation_bytes,
         "first_step_s": times[0], "median_step_s": step, "compute_step_s": compute,
         "streamed_bytes_per_step": streamed_bytes,
         "copy_bandwidth_Bps": (s.uploads * s.layout.nbytes / copy_s) if copy_s else None,

@@ -101,6 +101,12 @@ def _breakdown(pack, model, clip, vae, a, timed):
     cond, te = timed(lambda: pack.ZImageTextEncode.execute(clip, "a bowl of ramen, studio light").result[0])
     shape = (1, 16, a.size // 8, a.size // 8)
     _, load = timed(lambda: mm.load_models_gpu([model], memory_required=model.model.memory_required(shape)))
+    # where the card's memory went once the transformer is loaded (GiB): what its plan saw as free,
+    # its own buffers, everything torch holds in this process, and what the device has left
+    memory = dict(plan_free=t.plan.free_bytes / 2**30, transformer=t.device_bytes() / 2**30,
+                  allocated=torch.cuda.memory_allocated() / 2**30 if cuda else 0,
+                  reserved=torch.cuda.memory_reserved() / 2**30 if cuda else 0,
+                  device_free=torch.cuda.mem_get_info()[0] / 2**30 if cuda else 0)
     pre, post = [], []
     hooks = [t.register_forward_pre_hook(lambda *_: pre.append(mark())),
              t.register_forward_hook(lambda *_: post.append(mark()))]
@@ -120,7 +126,7 @@ def _breakdown(pack, model, clip, vae, a, timed):
     _, td = timed(lambda: pack.ZImageDecode.execute(vae, lat).result[0])
     return dict(encode=te, load=load, sample=ts, setup=span(start, pre[0]), steps=[span(x, y) for x, y in zip(pre, post)],
                 gaps=[span(x, y) for x, y in zip(post, pre[1:])], tail=span(post[-1], end), uploads=len(copies),
-                copy_busy=sum(copies), decode=td)
+                copy_busy=sum(copies), decode=td, memory=memory)
 
 
 def _decode_alone(vae, lat, tiled, timed):
@@ -346,6 +352,8 @@ def main(argv=None):
                   f"{b['setup']:.3f} + steps {' '.join(f'{x * 1e3:.0f}' for x in b['steps'])} ms + gaps "
                   f"{sum(b['gaps']) * 1e3:.0f} ms + tail {b['tail']:.3f}; {b['uploads']} uploads, copy stream busy "
                   f"{b['copy_busy']:.3f} s; decode {b['decode']:.3f}", flush=True)
+            print("      memory after loading the transformer, GiB: " + ", ".join(
+                f"{k.replace('_', ' ')} {v:.2f}" for k, v in b["memory"].items()), flush=True)
             if not res["stock_vaedecode_same"]:
                 print("      stock VAEDecode log: " + " | ".join(res["stock_vaedecode_log"])[:3000], flush=True)
     return results

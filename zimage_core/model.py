@@ -231,11 +231,23 @@ class ZImageDiT(nn.Module):
 
         xs = torch.cat((cap, img), dim=1)
         freqs = torch.cat((cap_freqs, img_freqs), dim=1)
-        xs = self.runner.run_layers(xs, lambda i, y, big: self.layers[i](y, freqs, t, big))
+        follows = bool(self.runner.n_streamed) and another_forward_follows(transformer_options)
+        xs = self.runner.run_layers(xs, lambda i, y, big: self.layers[i](y, freqs, t, big), next_forward=follows)
 
         out = self.final_layer(xs, t)[:, n_cap:n_cap + n_img]
         out = out.view(bs, ht, wt, p, p, -1).permute(0, 5, 1, 3, 2, 4).flatten(4, 5).flatten(2, 3)
         return -out[:, :, :h, :w]
+
+
+def another_forward_follows(transformer_options) -> bool:
+    """Whether the sampler calls the model again after this call, read from the schedule that
+    ComfyUI's samplers (and ``euler_sample``) put in ``transformer_options``: a sigma above the
+    schedule's last nonzero one means more steps follow. Unknown means no."""
+    schedule, now = transformer_options.get("sample_sigmas"), transformer_options.get("sigmas")
+    if schedule is None or now is None:
+        return False
+    last = min((s for s in schedule.tolist() if s > 0), default=0.0)
+    return float(now.max()) > last
 
 
 def _pad(x, token, multiple):

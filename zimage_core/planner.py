@@ -2,9 +2,9 @@
 
 Device memory = fixed part (refiners, embedders, norms, adaLN) + resident layers + slots +
 activations. Slots cost as much as resident layers, so their number is chosen by simulating
-one step's schedule: with trailing layers streamed, uploads can only run ahead of compute by
-as many layers as there are slots, and a few more slots let the copy engine work during the
-resident layers instead of idling. Without a compute/copy estimate two slots are used
+a run of steps: uploads can only run ahead of compute by as many layers as there are slots, and
+a few more slots let the copy engine work through the stretches without streamed layers (the
+refiners at the start of each step, resident layers) instead of idling. Without a compute/copy estimate two slots are used
 (classic double buffering).
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from .config import ZImageConfig
-from .streamer import PackLayout
+from .streamer import PackLayout, residency_order
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -68,24 +68,42 @@ def activation_bytes(cfg: ZImageConfig, width, height, batch=1, cap_tokens=512,
     return batch * tokens * per_token + upcast + 64 * MiB
 
 
-def simulate_step(resident, streamed, slots, compute, copy, fixed=0.0) -> float:
-    """Time of one step. The GPU computes ``fixed`` (embedders, refiners, final layer, sampler:
-    no streamed weights) and the resident layers, then the streamed ones, each waiting for its
-    upload. Uploads start with the step, run in order on one copy stream, each into the slot its
-    previous user has finished with, and stop at the step's last layer."""
-    k = max(slots, 1)
-    ready, copy_end = [0.0] * k, 0.0
-    for s in range(min(k, streamed)):
-        copy_end += copy
-        ready[s] = copy_end
-    t = fixed + resident * compute
-    for j in range(streamed):
-        s = j % k
-        t = max(t, ready[s]) + compute
-        if j + k < streamed:
-            copy_end = max(copy_end, t) + copy
-            ready[s] = copy_end
-    return t
+def simulate_step(n_layers, resident, slots, compute, copy, fixed=0.0, steps=8) -> float:
+    """Mean time of one of ``steps`` consecutive steps with ``resident`` layers resident (spread
+    as the streamer spreads them). Each step computes ``fixed`` (embedders, refiners, final layer,
+    sampler: no streamed weights), then the layers in order, a streamed one only once its upload
+    is done. Uploads run in order on one copy stream, each into the slot its previous user has
+    finished with; the first step's start with it, and every step queues the next one's first
+    uploads behind its last layers."""
+    keep = set(residency_order(n_layers)[:resident])
+    streamed = n_layers - len(keep)
+    if not streamed:
+        return fixed + n_layers * compute
+    k = max(min(slots, streamed), 1)
+    free, ready, copy_end = [0.0] * k, {}, 0.0
+
+    def upload(pos):
+        nonlocal copy_end
+        copy_end = max(copy_end, free[pos % k]) + copy
+        ready[pos] = copy_end
+
+    for pos in range(k):
+        upload(pos)
+    t = 0.0
+    for f in range(steps):
+        t += fixed
+        j = 0
+        for i in range(n_layers):
+            if i in keep:
+                t += compute
+                continue
+            pos = f * streamed + j
+            t = max(t, ready[pos]) + compute
+            free[pos % k] = t
+            if j + k < streamed or f + 1 < steps:
+                upload(pos + k)
+            j += 1
+    return t / steps
 
 
 def plan(cfg: ZImageConfig, free_bytes: int, width: int, height: int, batch: int = 1,
@@ -106,9 +124,9 @@ def plan(cfg: ZImageConfig, free_bytes: int, width: int, height: int, batch: int
         else:
             img = cfg.image_tokens(width, height)
             # refiners, final layer and sampler, in layers' worth of compute
-            fixed = (cfg.n_refiner_layers * img / (img + 512) + 0.25) * compute_copy_ratio
+            before = (cfg.n_refiner_layers * img / (img + 512) + 0.25) * compute_copy_ratio
             r, k = min(options, key=lambda o: (
-                round(simulate_step(o[0], n - o[0], o[1], compute_copy_ratio, 1.0, fixed), 3), -o[0]))
+                round(simulate_step(n, o[0], o[1], compute_copy_ratio, 1.0, before), 3), -o[0]))
         k = min(k, n - r)
     fits = room >= layer or (room >= 0 and n == 0)
     streamed = n - r

@@ -23,10 +23,12 @@ def sigmas(steps: int, shift: float = 3.0, table_size: int = 1000) -> torch.Tens
 def euler_sample(model, noise, context, steps=8, shift=3.0, callback=None):
     """Sample from pure noise; ``model`` returns velocity (noise - x0) like ComfyUI's Z-Image.
     Latents stay fp32 between steps; the model casts its input to the compute dtype."""
-    s = sigmas(steps, shift).to(noise.device)
+    table = sigmas(steps, shift)  # on the host: the model reads it without waiting for the device
+    s = table.to(noise.device)
     x = noise.float() * s[0]
     for i in range(steps):
-        v = model(x, s[i:i + 1].expand(x.shape[0]), context).float()
+        options = {"sample_sigmas": table, "sigmas": table[i:i + 1]}
+        v = model(x, s[i:i + 1].expand(x.shape[0]), context, transformer_options=options).float()
         x = x + (s[i + 1] - s[i]) * v
         if callback is not None:
             callback(i, x)

@@ -73,7 +73,7 @@ class StreamedStack:
 
     def load(self):
         """Host masters (packed, and pinned up to the pool's cap, once), device copies, slots."""
-        self.streamer.pin_trailing()
+        self.streamer.pin()
         self.outside.load()
         if not self.streamer.slots:
             self.streamer.configure(0, self.n_slots)
@@ -106,6 +106,7 @@ class StreamedStack:
                 yield
         except BaseException:
             self._next = 0  # stopped mid-forward: the next one starts from the first layer
+            self.streamer.drop_queued()
             raise
         finally:
             for h in hooks:

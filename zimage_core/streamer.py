@@ -1,15 +1,22 @@
-"""Resident prefix + streamed suffix of the main layers.
+"""Main layers: some resident on the device, spread through the stack, the others streamed.
 
 Every main layer's five big matrices have one host master: a packed buffer (pinned on CUDA,
-taken from a ``HostPool``) or, past the pinning cap, the memory-mapped file pieces. Layers
-``[0, n_resident)`` also have a packed device buffer; the others are uploaded, one copy per
-layer, into a ring of device slots on a dedicated copy stream, ordered with events: a slot
-is refilled only after the layer that used it has finished, and a layer runs only after its
-upload. Uploads go host -> device only, so evicting a resident layer just drops its device
-buffer and promoting one is a single upload. Every buffer has the same layout, so a matrix
-is the same view of the same shape and alignment whichever buffer it lives in: the kernels,
-and therefore the bits, do not depend on the split. On the CPU the same code runs with
-plain tensors and synchronous copies.
+taken from a ``HostPool``) or, past the pinning cap, the memory-mapped file pieces. The first
+``n_resident`` layers of ``residency_order`` also have a packed device buffer; the others are
+uploaded, one copy per layer, into a ring of device slots on a dedicated copy stream, ordered
+with events: a slot is refilled only after the layer that used it has finished, and a layer
+runs only after its upload. While a forward's last layers run, the next forward's first uploads
+can already be queued (``run_layers(..., next_forward=True)``), so the copy engine does not idle
+between steps. Uploads go host -> device only, so evicting a resident layer just drops its
+device buffer and promoting one is a single upload. Every buffer has the same layout, so a
+matrix is the same view of the same shape and alignment whichever buffer it lives in: the
+kernels, and therefore the bits, do not depend on the split. On the CPU the same code runs
+with plain tensors and synchronous copies.
+
+Why spread: the copy engine can only run ahead of the compute by as many layers as there are
+slots. Resident layers in one block (with the refiners before them) are a stretch of compute
+during which the slots fill up and the copy engine idles; spread out, each resident layer is a
+short pause that two slots cover, so the memory of extra slots goes to resident layers instead.
 """
 from __future__ import annotations
 
@@ -22,6 +29,20 @@ from .host_memory import HostPool
 from .model import BigWeights
 
 ALIGN = 256  # bytes; every matrix starts on the same alignment in every buffer
+
+
+def residency_order(n: int) -> list:
+    """The order in which layers become resident: each next one in the middle of the longest
+    run of streamed layers (the earliest of equal runs), so that the resident layers are spread
+    evenly through the stack for every count, and one more or one fewer moves no other layer."""
+    runs, order = [(0, n)], []
+    while runs:
+        a, b = max(runs, key=lambda run: (run[1] - run[0], -run[0]))
+        runs.remove((a, b))
+        m = (a + b) // 2
+        order.append(m)
+        runs += [run for run in ((a, m), (m + 1, b)) if run[1] > run[0]]
+    return order
 
 
 class PackLayout:
@@ -72,21 +93,28 @@ class LayerStreamer:
         self.cuda = self.device.type == "cuda"
         self.n_layers = len(sources)
         self.sources = sources
+        self.order = residency_order(self.n_layers)
         self.host = [None] * self.n_layers      # packed host masters (pinned where possible)
         self.resident = {}                     # layer -> packed device buffer
+        self.streamed = list(range(self.n_layers))  # the other layers, in the order they run
+        self._index = {i: j for j, i in enumerate(self.streamed)}  # layer -> its place in streamed
         self.slots = []
         self.copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
         self._ready, self._free = [], []
+        # streamed layers are counted across forwards: position ``_base + j`` is the current
+        # forward's j-th streamed layer and uses slot position % slots; uploads are queued up to
+        # position ``_queued`` (exclusive)
+        self._base = self._queued = 0
         self.profile = False
         self.copy_events = []                  # (start, end) per upload while profiling
         self.uploads = 0                       # streamed uploads since the last reset
 
     # -- host side -------------------------------------------------------------------------
 
-    def pin_trailing(self):
-        """Pack and pin host masters from the last layer backwards until the pool's cap:
-        the trailing layers are the ones that stream first and are evicted first."""
-        for i in reversed(range(self.n_layers)):
+    def pin(self):
+        """Pack and pin host masters until the pool's cap, the layers that stay streamed longest
+        (the last in ``residency_order``) first."""
+        for i in reversed(self.order):
             if self.host[i] is not None:
                 continue
             buf = self.pool.allocate(self.layout.numel, self.layout.dtype)
@@ -133,26 +161,30 @@ class LayerStreamer:
         return torch.empty(self.layout.numel, dtype=self.layout.dtype, device=self.device)
 
     def configure(self, n_resident: int, n_slots: int):
-        """Make layers [0, n_resident) resident with ``n_slots`` slots for the rest (0 slots: only
-        the resident layers stay on the device, as when the model is offloaded). Frees before it
-        allocates, so a shrinking split never needs extra memory."""
+        """Make the first ``n_resident`` layers of ``residency_order`` resident with ``n_slots``
+        slots for the rest (0 slots: only the resident layers stay on the device, as when the
+        model is offloaded). Frees before it allocates, so a shrinking split never needs extra
+        memory."""
         n_resident = max(0, min(n_resident, self.n_layers))
         n_slots = 0 if n_resident == self.n_layers or n_slots == 0 else min(n_slots, self.n_layers - n_resident)
+        keep = set(self.order[:n_resident])
         self.synchronize()
-        for i in [i for i in self.resident if i >= n_resident]:
+        for i in [i for i in self.resident if i not in keep]:
             del self.resident[i]
         del self.slots[n_slots:]
         del self._ready[n_slots:], self._free[n_slots:]
+        self.streamed = [i for i in range(self.n_layers) if i not in keep]
+        self._index = {i: j for j, i in enumerate(self.streamed)}
+        self.drop_queued()
         while len(self.slots) < n_slots:
             self.slots.append(self._empty())
             if self.cuda:
                 self._ready.append(torch.cuda.Event())
                 self._free.append(torch.cuda.Event())
-        for i in range(n_resident):
-            if i not in self.resident:
-                buf = self._empty()
-                self._upload(i, buf)
-                self.resident[i] = buf
+        for i in sorted(keep - self.resident.keys()):
+            buf = self._empty()
+            self._upload(i, buf)
+            self.resident[i] = buf
         self.synchronize()
 
     def evict_one(self) -> bool:
@@ -172,6 +204,7 @@ class LayerStreamer:
         self.resident.clear()
         self.slots.clear()
         self._ready.clear(), self._free.clear()
+        self.drop_queued()
         self.host = [None] * self.n_layers
         self.pool.release_all()
 
@@ -181,6 +214,11 @@ class LayerStreamer:
             torch.cuda.current_stream(self.device).synchronize()
 
     # -- running ---------------------------------------------------------------------------
+
+    def drop_queued(self):
+        """Forget uploads queued ahead for the next forward (its split or its weights changed):
+        it queues its own. Slots are refilled in queue order, so nothing needs to wait here."""
+        self._base = self._queued = 0
 
     def _prefetch(self, i, k):
         self.uploads += 1
@@ -197,40 +235,52 @@ class LayerStreamer:
                 self.copy_events.append((start, end))
             self._ready[k].record(self.copy_stream)
 
-    def prefetch_first(self):
-        """Start the uploads of the first streamed layers; they overlap the resident layers.
-        Not earlier (say, at the end of the previous forward): uploads queued on the copy engine
-        hold up every small host-to-device copy issued meanwhile, such as the sampler sending the
-        conditioning for the next step, and the GPU would wait for the whole queue."""
-        r, k = self.n_resident, len(self.slots)
-        for j in range(min(k, self.n_layers - r)):
-            self._prefetch(r + j, j)
+    def _queue(self, pos):
+        """Queue the upload of streamed position ``pos`` (this forward's or, past its end, the
+        next one's) into its slot."""
+        self._prefetch(self.streamed[(pos - self._base) % self.n_streamed], pos % len(self.slots))
+        self._queued = pos + 1
 
-    def run_layers(self, x, layer_fn):
-        """x -> layer_fn(i, x, BigWeights) for every main layer, streaming the suffix."""
-        for i in range(self.n_layers):
-            x = layer_fn(i, x, self.begin(i))
-            self.end(i)
+    def prefetch_first(self):
+        """Start the uploads of the first streamed layers that are not queued yet; they overlap
+        the layers before them. Call it after the forward's inputs are on the device: a small
+        host-to-device copy queued after layer uploads waits for all of them."""
+        k = min(len(self.slots), self.n_streamed)
+        for pos in range(max(self._queued, self._base), self._base + k):
+            self._queue(pos)
+
+    def run_layers(self, x, layer_fn, next_forward=False):
+        """x -> layer_fn(i, x, BigWeights) for every main layer, streaming the suffix. With
+        ``next_forward`` (another forward follows with nothing to send to the device first) the
+        slots freed by the last layers are refilled with the next forward's first layers."""
+        try:
+            for i in range(self.n_layers):
+                x = layer_fn(i, x, self.begin(i))
+                self.end(i, next_forward)
+        except BaseException:
+            self.drop_queued()  # stopped mid-forward: the next one starts from its first layer
+            raise
         return x
 
     def begin(self, i):
         """Layer i's weights, ready for the kernels queued next on the current stream."""
-        r = self.n_resident
-        if i < r:
+        if i in self.resident:
             return self.layout.views(self.resident[i])
-        s = (i - r) % len(self.slots)
+        s = (self._base + self._index[i]) % len(self.slots)
         if self.cuda:
             torch.cuda.current_stream(self.device).wait_event(self._ready[s])
         return self.layout.views(self.slots[s])
 
-    def end(self, i):
-        """Layer i's kernels are queued: its slot is refilled with the layer k places on once
-        they finish."""
-        r, k = self.n_resident, len(self.slots)
-        if i < r:
-            return
-        s = (i - r) % k
-        if self.cuda:
-            self._free[s].record(torch.cuda.current_stream(self.device))
-        if i + k < self.n_layers:
-            self._prefetch(i + k, s)
+    def end(self, i, next_forward=False):
+        """Layer i's kernels are queued: its slot is refilled with the streamed layer k places on
+        (in this forward, or with ``next_forward`` in the next) once they finish. The last layer
+        ends the forward."""
+        if i not in self.resident:
+            k = len(self.slots)
+            pos = self._base + self._index[i]
+            if self.cuda:
+                self._free[pos % k].record(torch.cuda.current_stream(self.device))
+            if pos + k < self._base + (2 if next_forward else 1) * self.n_streamed:
+                self._queue(pos + k)
+        if i == self.n_layers - 1:
+            self._base += self.n_streamed

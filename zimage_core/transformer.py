@@ -136,7 +136,7 @@ class ZImageTransformer(torch.nn.Module):
             streamer = LayerStreamer(layout, [_layer_pieces(ckpt, f"layers.{i}.") for i in range(cfg.n_layers)],
                                      dev, pool)
             fixed = _FixedPart(model, pool)
-            streamer.pin_trailing()
+            streamer.pin()
             if streamer.pinned_layers < cfg.n_layers:
                 log.warning("Z-Image: %d of %d layers fit under the pinned-memory cap of %.1f GiB; the rest "
                             "upload from the memory-mapped file (slower when they stream).",
@@ -332,6 +332,7 @@ class ZImageTransformer(torch.nn.Module):
         owner, name = slot
         layout = self.streamer.layout
         self.streamer.synchronize()
+        self.streamer.drop_queued()  # a slot may hold the old weights, uploaded ahead
         self.streamer.ensure_host(owner)
         layout.region(self.streamer.host[owner], name).copy_(value)
         if owner in self.streamer.resident:
