@@ -59,8 +59,11 @@ def test_streamed_stack_equals_whole_model(device, slots):
     stack = StreamedStack(enc, device, HostPool(), slots=slots)
     if slots < len(enc.layers):
         assert stack.loaded_bytes < sum(p.nbytes for p in enc.parameters())
+    assert stack.tables == [enc.embed]  # looked up on the host: neither uploaded nor counted
+    assert stack.loaded_bytes == slots * stack.layout.nbytes + enc.norm.weight.nbytes * 2 + enc.scale.nbytes
     for _ in range(3):  # the slots are reused across forwards and across runs
         with stack.running():
+            assert enc.embed.weight.device.type == "cpu"
             assert torch.equal(enc(ids), whole)
             assert torch.equal(enc(ids), whole)
     # between runs the model is its own again, on the host
