@@ -57,6 +57,7 @@ def test_streamed_stack_equals_whole_model(device, slots):
     own = addresses(enc)
     before = live_bytes()
     stack = StreamedStack(enc, device, HostPool(), slots=slots)
+    stack.max_resident = 0  # every layer through the slots, even where the GPU has room for them
     if slots < len(enc.layers):
         assert stack.loaded_bytes < sum(p.nbytes for p in enc.parameters())
     assert stack.tables == [enc.embed]  # looked up on the host: neither uploaded nor counted
@@ -73,6 +74,24 @@ def test_streamed_stack_equals_whole_model(device, slots):
     assert stack.unload() == stack.loaded_bytes and stack.device_bytes() == 0
     stack.release()
     assert live_bytes() == before
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_stack_the_gpu_has_room_for_stays_there_between_runs():
+    enc, ids, whole = encoder_and_output("cuda", seed=2)
+    stack = StreamedStack(enc, "cuda", HostPool(), slots=2)
+    for _ in range(2):
+        with stack.running():
+            assert torch.equal(enc(ids), whole)
+        assert stack.streamer.n_resident == len(enc.layers) and not stack.streamer.slots
+        assert stack.streamer.uploads == 0  # nothing streamed: the second run uploads nothing
+    assert stack.device_bytes() > stack.loaded_bytes  # more than it needs, from memory nobody held
+    assert stack.unload() > 0 and stack.device_bytes() == 0
+    stack.max_resident = 1
+    with stack.running():
+        assert torch.equal(enc(ids), whole)
+    assert stack.streamer.n_resident == 1 and len(stack.streamer.slots) == 2
+    stack.release()
 
 
 def test_interrupted_forward_restores_the_model_and_the_next_run_is_right():

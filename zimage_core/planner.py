@@ -50,6 +50,13 @@ class Plan:
                 f"({self.width}x{self.height}{'' if self.batch == 1 else f', batch {self.batch}'})")
 
 
+def device_free_bytes(device) -> int:
+    """What this process could allocate on a CUDA ``device`` now: the device's free memory plus
+    what torch's allocator holds unused."""
+    free, _ = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+
+
 def _gib(b):
     return f"{b / GiB:.2f} GiB"
 

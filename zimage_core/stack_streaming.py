@@ -7,7 +7,7 @@ the slot its upload went to just before the layer runs, and back afterwards. Emb
 stay where the model keeps them (host memory): a lookup is a gather, done on the host, and only
 the rows the prompt uses cross the bus (for Qwen3-4B, 0.78 GB that are neither uploaded nor made
 room for). Only the copies and the slots live on the device: for Qwen3-4B about 0.5 GB instead
-of 8. The kernels are the model's own, on the same values, so the output is the output of the
+of 8 (more, up to the whole stack, where the GPU has room to spare). The kernels are the model's own, on the same values, so the output is the output of the
 model loaded whole.
 """
 from __future__ import annotations
@@ -17,6 +17,7 @@ import contextlib
 import torch
 
 from .device_copies import DeviceCopies, copy_source, module_tensors
+from . import planner
 from .host_memory import HostPool
 from .streamer import LayerStreamer, PackLayout, device_of
 
@@ -70,6 +71,7 @@ class StreamedStack:
                        and m.weight.device.type == "cpu" and not any(m is x for x in self.layers.modules())]
         skip = {id(m) for m in self.layers.modules()} | {id(m) for m in self.tables}
         self.outside = DeviceCopies(module_tensors(root, skip=skip), self.device, pool)
+        self.max_resident = None      # layers kept on the device (None: as many as there is room for)
         self._running = None          # the layers' own parameters, while running
         self._next = 0                # the layer the ring has ready next
 
@@ -82,11 +84,23 @@ class StreamedStack:
         return self.outside.device_bytes() + self.streamer.device_bytes
 
     def load(self):
-        """Host masters (packed, and pinned up to the pool's cap, once), device copies, slots."""
+        """Host masters (packed, and pinned up to the pool's cap, once), device copies, and the
+        layers: as many resident as the device has room for (on a large GPU all of them, so the
+        next prompt uploads nothing), the others through the slots. ``loaded_bytes`` stays what
+        it needs at least: resident layers take only memory nobody holds, and unloading is free."""
         self.streamer.pin()
         self.outside.load()
-        if not self.streamer.slots:
-            self.streamer.configure(0, self.n_slots)
+        if not (self.streamer.slots or self.streamer.resident):
+            self.streamer.configure(self._room_for_layers(), self.n_slots)
+
+    def _room_for_layers(self) -> int:
+        """Layers that fit beside the slots, leaving a GiB for activations and other work."""
+        if self.device.type != "cuda":
+            return 0
+        layer = self.layout.nbytes
+        spare = planner.device_free_bytes(self.device) - self.n_slots * layer - planner.RESERVE - planner.GiB
+        r = max(0, min(len(self.layers), spare // layer))
+        return r if self.max_resident is None else min(r, self.max_resident)
 
     def unload(self) -> int:
         """Drop every device buffer; returns the bytes freed."""

@@ -197,9 +197,7 @@ class ZImageTransformer(torch.nn.Module):
             return self.memory_limit
         if self.device.type != "cuda":
             return 1 << 62
-        free, _ = torch.cuda.mem_get_info(self.device)
-        held = self.device_bytes()
-        return free + torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device) + held
+        return planner.device_free_bytes(self.device) + self.device_bytes()
 
     def make_plan(self, width, height, batch=1, free_bytes=None) -> planner.Plan:
         tokens = self.cfg.image_tokens(width, height) * batch
