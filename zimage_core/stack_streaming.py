@@ -85,22 +85,21 @@ class StreamedStack:
 
     def load(self):
         """Host masters (packed, and pinned up to the pool's cap, once), device copies, and the
-        layers: as many resident as the device has room for (on a large GPU all of them, so the
-        next prompt uploads nothing), the others through the slots. ``loaded_bytes`` stays what
-        it needs at least: resident layers take only memory nobody holds, and unloading is free."""
+        layers: all of them resident where the device has room for the whole stack (a large GPU:
+        the next prompt uploads nothing), else through the slots. Not some resident and the rest
+        streamed: every prompt would cross the bus as much, with fewer uploads hidden behind the
+        compute. ``loaded_bytes`` stays what it needs at least: resident layers take only memory
+        nobody holds, and unloading is free."""
         self.streamer.pin()
         self.outside.load()
         if not (self.streamer.slots or self.streamer.resident):
-            self.streamer.configure(self._room_for_layers(), self.n_slots)
+            self.streamer.configure(self._resident_layers(), self.n_slots)
 
-    def _room_for_layers(self) -> int:
-        """Layers that fit beside the slots, leaving a GiB for activations and other work."""
-        if self.device.type != "cuda":
-            return 0
-        layer = self.layout.nbytes
-        spare = planner.device_free_bytes(self.device) - self.n_slots * layer - planner.RESERVE - planner.GiB
-        r = max(0, min(len(self.layers), spare // layer))
-        return r if self.max_resident is None else min(r, self.max_resident)
+    def _resident_layers(self) -> int:
+        n = len(self.layers)
+        fits = self.device.type == "cuda" and planner.device_free_bytes(self.device) >= (
+            n * self.layout.nbytes + planner.RESERVE + planner.GiB)  # a GiB for activations and other work
+        return min(n if fits else 0, n if self.max_resident is None else self.max_resident)
 
     def unload(self) -> int:
         """Drop every device buffer; returns the bytes freed."""
