@@ -68,7 +68,10 @@ def test_sampling_is_identical_streamed_and_resident(model):
     model.prepare(64, 48, resident_layers=TINY.n_layers)
     ref = euler_sample(model, x, ctx, steps=3)
     model.prepare(64, 48, resident_layers=1)
+    model.streamer.uploads = 0
     assert torch.equal(euler_sample(model, x, ctx, steps=3), ref)
+    # each step's layers once: the first two steps queue the next one's first layers, the last none
+    assert model.streamer.uploads == 3 * (TINY.n_layers - 1)
 
 
 def test_out_of_memory_evicts_and_retries(tiny_file):

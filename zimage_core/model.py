@@ -164,7 +164,8 @@ class _FinalLayer(nn.Module):
 class ZImageDiT(nn.Module):
     """Small parameters live here. The big block matrices of the refiners are packed buffers
     registered here (always resident, moved with the module); those of the main layers come
-    from a runner (``run_layers(x, layer_fn)``) that owns residency and streaming."""
+    from a runner (``run_layers(x, layer_fn, next_forward)``, ``n_streamed``) that owns residency
+    and streaming."""
 
     def __init__(self, cfg: ZImageConfig, dtype=torch.bfloat16):
         super().__init__()
