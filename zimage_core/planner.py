@@ -4,8 +4,8 @@ Device memory = fixed part (refiners, embedders, norms, adaLN) + resident layers
 activations. Slots cost as much as resident layers, so their number is chosen by simulating
 a run of steps: uploads can only run ahead of compute by as many layers as there are slots, and
 a few more slots let the copy engine work through the stretches without streamed layers (the
-refiners at the start of each step, resident layers) instead of idling. Without a compute/copy estimate two slots are used
-(classic double buffering).
+refiners at the start of each step, resident layers) instead of idling. Without a compute/copy
+estimate two slots are used (classic double buffering).
 """
 from __future__ import annotations
 

@@ -6,9 +6,9 @@ stack at device copies (``DeviceCopies``), and forward hooks point each layer's 
 the slot its upload went to just before the layer runs, and back afterwards. Embedding tables
 stay where the model keeps them (host memory): a lookup is a gather, done on the host, and only
 the rows the prompt uses cross the bus (for Qwen3-4B, 0.78 GB that are neither uploaded nor made
-room for). Only the copies and the slots live on the device: for Qwen3-4B about 0.5 GB instead
-of 8 (more, up to the whole stack, where the GPU has room to spare). The kernels are the model's own, on the same values, so the output is the output of the
-model loaded whole.
+room for). Only the copies and the slots live on the device: for Qwen3-4B about 0.6 GB instead
+of 8 (or the whole stack, where the GPU has room for it). The kernels are the model's own, on the
+same values, so the output is the output of the model loaded whole.
 """
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ import contextlib
 
 import torch
 
-from .device_copies import DeviceCopies, copy_source, module_tensors
 from . import planner
+from .device_copies import DeviceCopies, copy_source, module_tensors
 from .host_memory import HostPool
 from .streamer import LayerStreamer, PackLayout, device_of
 
@@ -66,11 +66,12 @@ class StreamedStack:
         sources = [{k: [(0, copy_source(t))] for k, t in p.items()} for p in params]
         self.streamer = LayerStreamer(self.layout, sources, self.device, pool)
         self.n_slots = min(slots, len(self.layers))
+        inside = {id(m) for m in self.layers.modules()}
         # tables the model keeps in host memory (not on the meta device, which the file left empty)
         self.tables = [m for m in root.modules() if isinstance(m, torch.nn.Embedding)
-                       and m.weight.device.type == "cpu" and not any(m is x for x in self.layers.modules())]
-        skip = {id(m) for m in self.layers.modules()} | {id(m) for m in self.tables}
-        self.outside = DeviceCopies(module_tensors(root, skip=skip), self.device, pool)
+                       and m.weight.device.type == "cpu" and id(m) not in inside]
+        self.outside = DeviceCopies(module_tensors(root, skip=inside | {id(m) for m in self.tables}),
+                                    self.device, pool)
         self.max_resident = None      # layers kept on the device (None: as many as there is room for)
         self._running = None          # the layers' own parameters, while running
         self._next = 0                # the layer the ring has ready next
