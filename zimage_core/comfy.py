@@ -147,8 +147,8 @@ class ZImagePatcher(comfy.model_patcher.ModelPatcher):
 
 class PinnedPatcher(comfy.model_patcher.ModelPatcher):
     """Another model as ComfyUI sees it while the pack runs it from pinned host masters: a model
-    whose size is what it needs on the GPU (a streamed text encoder: its embeddings, final norm and
-    a few layer slots, about 1 GB for Qwen3-4B; the VAE: its 168 MB), so making room for it evicts
+    whose size is what it needs on the GPU at least (a streamed text encoder: its final norm and a
+    few layer slots, 0.56 GiB for Qwen3-4B; the VAE: its 168 MB), so making room for it evicts
     a few transformer layers instead of all of them, and unloading it is free (the masters stay).
     ``part`` is the ``StreamedStack`` or ``DeviceCopies`` that holds the device buffers."""
 
