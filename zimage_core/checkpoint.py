@@ -2,7 +2,7 @@
 
 The canonical key names are ComfyUI's (fused ``attention.qkv``); official / diffusers files
 (separate q/k/v, ``all_x_embedder.2-1``, sharded with an index) are mapped onto them. Nothing
-is loaded here: each canonical key yields the memory-mapped pieces it is made of.
+is loaded here: each canonical key yields the stored pieces it is made of, read when asked.
 """
 from __future__ import annotations
 
@@ -75,7 +75,7 @@ def expected_shapes(cfg: ZImageConfig) -> dict:
 
 
 class Checkpoint:
-    """A Z-Image checkpoint: canonical keys -> memory-mapped pieces, plus its config."""
+    """A Z-Image checkpoint: canonical keys -> stored pieces, plus its config."""
 
     def __init__(self, path):
         self.path = os.fspath(path)
@@ -95,16 +95,24 @@ class Checkpoint:
         return list(self._index)
 
     def pieces(self, key):
-        """[(row_offset, tensor view)] that make up canonical ``key``."""
-        return [(row, f.tensor(k)) for row, f, k in self._index[key]]
+        """[(row_offset, StoredTensor)] that make up canonical ``key``."""
+        return [(row, f.stored(k)) for row, f, k in self._index[key]]
+
+    def read_into(self, key, out: torch.Tensor):
+        """Canonical ``key`` into ``out`` (its shape; any dtype, cast on the way)."""
+        for row, piece in self.pieces(key):
+            piece.read_into(out[row:row + piece.shape[0]])
 
     def tensor(self, key, dtype=None) -> torch.Tensor:
-        """Canonical ``key`` as one host tensor (a fresh copy only when pieces are fused or cast)."""
-        parts = self.pieces(key)
-        if len(parts) == 1:
-            t = parts[0][1]
-            return t if dtype is None or t.dtype == dtype else t.to(dtype)
-        return torch.cat([t.to(dtype) if dtype else t for _, t in parts])
+        """Canonical ``key`` as a fresh host tensor, in ``dtype`` or as stored."""
+        out = torch.empty(self._shape(key), dtype=dtype or self.dtype(key))
+        self.read_into(key, out)
+        return out
+
+    def check_unchanged(self):
+        """Raise when a file of the checkpoint changed on disk since it was opened."""
+        for f in self.files:
+            f.check_unchanged()
 
     def dtype(self, key) -> torch.dtype:
         _, f, k = self._index[key][0]
@@ -166,15 +174,20 @@ class Checkpoint:
             problem = "is not a Z-Image transformer (it has no cap_embedder.1.weight)"
             problem += f"; it looks like {what}." if what else "."
             raise CheckpointError(self.path, problem, _FIX)
+        # each size is read from every tensor that carries it and the most common value wins, so a
+        # single misshapen tensor is the one _validate names, not the ones that agree with the rest
+        dim = self._common(r"(layers|noise_refiner|context_refiner)\.\d+\.attention_norm1\.weight$", 0)
+        head_dim = self._common(r"(layers|noise_refiner|context_refiner)\.\d+\.attention\.[qk]_norm\.weight$", 0)
+        ffn_dim = self._common(r"(layers|noise_refiner|context_refiner)\.\d+\.feed_forward\.w[13]\.weight$", 0)
         try:
-            dim, cap_dim = self._shape("cap_embedder.1.weight")
-            head_dim = self._shape("layers.0.attention.q_norm.weight")[0]
-            ffn_dim = self._shape("layers.0.feed_forward.w1.weight")[0]
+            cap_dim = self._shape("cap_embedder.1.weight")[1]
             t_hidden, t_dim = self._shape("t_embedder.mlp.0.weight")
             patch_in = self._shape("x_embedder.weight")[1]
         except (KeyError, ValueError):
-            raise CheckpointError(self.path, "is missing the first main layer or an embedder; it is not a "
-                                             "complete Z-Image transformer.", _FIX) from None
+            dim = None
+        if None in (dim, head_dim, ffn_dim) or not head_dim or dim % head_dim:
+            raise CheckpointError(self.path, "is missing its main layers or an embedder; it is not a complete "
+                                             "Z-Image transformer.", _FIX)
         n_layers = _count(self._index, "layers")
         n_ref = _count(self._index, "noise_refiner")
         a0 = head_dim // 4
@@ -182,6 +195,11 @@ class Checkpoint:
                             ffn_dim=ffn_dim, cap_feat_dim=cap_dim, in_channels=patch_in // 4,
                             t_dim=t_dim, t_hidden=t_hidden,
                             axes_dims=(a0, (head_dim - a0) // 2, (head_dim - a0) // 2))
+
+    def _common(self, pattern, axis):
+        """The most common size along ``axis`` of the tensors whose keys match ``pattern``."""
+        sizes = [self._shape(k)[axis] for k in self._index if re.match(pattern, k) and len(self._shape(k)) > axis]
+        return max(set(sizes), key=sizes.count) if sizes else None
 
     def _validate(self):
         want = expected_shapes(self.config)

@@ -1,15 +1,23 @@
-"""Memory-mapped safetensors reading with errors that name the file and the problem.
+"""safetensors reading with errors that name the file and the problem.
 
-The header is parsed here (it is 8 bytes of length and a JSON table) so that a truncated
-or foreign file is reported before any tensor is touched, and tensors are zero-copy views
-of a private file mapping: nothing is read until it is used, and nothing is copied twice.
+The header is parsed and validated here, check for check as the ``safetensors`` library does
+(a JSON object of entries with a known dtype, a shape of non-negative integers, and offsets that
+tile the data section exactly), so a truncated, foreign or malformed file is reported before any
+tensor is touched, in one line that says what to do.
+
+Tensors are read with ``pread`` straight into the buffer that keeps them (a pinned host master,
+a staging buffer), never through a memory mapping: a mapped file that is truncated or rewritten
+in place while it is loaded kills the process with SIGBUS on the next touch, and an interrupted
+re-download leaves exactly such a file. Before every read the open file is checked against the
+size and modification time it had when it was opened; a file changed since then is an error.
 """
 from __future__ import annotations
 
 import json
-import mmap
+import math
 import os
 import struct
+import threading
 
 import torch
 
@@ -21,7 +29,21 @@ DTYPES = {
     "F32": torch.float32,
     "F8_E4M3": torch.float8_e4m3fn,
 }
+# every storage type of the safetensors format, with its size: a tensor of a type the pack does
+# not run is still checked for size, and refused only when the model uses it
+_ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "F8_E8M0": 1, "I16": 2, "U16": 2,
+             "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "F64": 8, "I64": 8, "U64": 8, "C64": 8}
+MAX_HEADER = 100 << 20  # the safetensors library's limit
 _FIX_FORMAT = "Use a .safetensors export of Z-Image-Turbo (ComfyUI or diffusers layout)."
+_FIX_COPY = "Download or copy the file again."
+
+
+class FileChanged(CheckpointError):
+    """The file on disk is no longer the one that was loaded."""
+
+
+def _is_uint(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
 
 class SafetensorsFile:
@@ -29,35 +51,83 @@ class SafetensorsFile:
         self.path = os.fspath(path)
         if not self.path.endswith((".safetensors", ".sft")):
             raise CheckpointError(path, "is not a .safetensors file; only safetensors are loaded.", _FIX_FORMAT)
+        self._file = None
         try:
-            size = os.path.getsize(self.path)
-            with open(self.path, "rb") as f:
-                head = f.read(8)
-                if len(head) < 8:
-                    raise CheckpointError(path, "is empty or truncated (no safetensors header).", _FIX_FORMAT)
-                (n,) = struct.unpack("<Q", head)
-                if n > min(size - 8, 100 << 20):
-                    raise CheckpointError(path, "is not a safetensors file (bad header length).", _FIX_FORMAT)
-                header = json.loads(f.read(n))
-                self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if size > 8 + n else None
+            self._file = open(self.path, "rb", buffering=0)
         except FileNotFoundError:
             raise CheckpointError(path, "does not exist.", "Check the file name and the models folder.") from None
-        except (UnicodeDecodeError, json.JSONDecodeError):
-            raise CheckpointError(path, "is not a safetensors file (header is not JSON).", _FIX_FORMAT) from None
-        self.metadata = header.pop("__metadata__", None) or {}
-        self._base = 8 + n
-        self.entries = {}
-        end = 0
+        except IsADirectoryError:
+            raise CheckpointError(path, "is a folder, not a file.", _FIX_FORMAT) from None
+        self._lock = threading.Lock()  # seek + read where the OS has no positional read (Windows)
+        try:
+            st = os.fstat(self._file.fileno())
+            self._identity = (st.st_size, st.st_mtime_ns)
+            self.entries, self.metadata, self._base = self._read_header(st.st_size)
+        except BaseException:
+            self.close()
+            raise
+
+    def _read_header(self, size):
+        head = bytearray(8)
+        if self._pread(memoryview(head), 0) < 8:
+            raise CheckpointError(self.path, "is empty or truncated (no safetensors header).", _FIX_FORMAT)
+        (n,) = struct.unpack("<Q", head)
+        if n > min(size - 8, MAX_HEADER):
+            raise CheckpointError(self.path, "is not a safetensors file (bad header length).", _FIX_FORMAT)
+        raw = bytearray(n)
+        self._pread(memoryview(raw), 8)
+        try:
+            header = json.loads(raw)
+        except (UnicodeDecodeError, ValueError):
+            raise CheckpointError(self.path, "is not a safetensors file (header is not JSON).", _FIX_FORMAT) from None
+        if not isinstance(header, dict):
+            raise CheckpointError(self.path, "is not a safetensors file (its header is not a JSON object).",
+                                  _FIX_FORMAT)
+        metadata = header.pop("__metadata__", None) or {}
+        if not isinstance(metadata, dict):
+            raise CheckpointError(self.path, "has a malformed header (__metadata__ is not an object).", _FIX_FORMAT)
+        spans = []
         for key, e in header.items():
-            if not isinstance(e, dict) or "dtype" not in e or "data_offsets" not in e:
-                raise CheckpointError(path, f"has a malformed header entry for {key!r}.", _FIX_FORMAT)
-            end = max(end, e["data_offsets"][1])
-            self.entries[key] = e
-        if self._base + end > size:
-            missing = self._base + end - size
-            raise CheckpointError(path, f"is truncated: {missing:,} bytes of tensor data are missing "
-                                        f"({size:,} of {self._base + end:,} bytes present).",
-                                  "Download or copy the file again.")
+            spans.append(self._check_entry(key, e) + (key,))
+        # the tensors must tile the data section: no gaps, no overlaps, nothing missing or extra
+        spans.sort()
+        end = 0
+        for start, stop, key in spans:
+            if start != end:
+                raise CheckpointError(self.path, f"has a malformed header: the data of {key!r} starts at byte "
+                                                 f"{start:,} where {end:,} was expected (overlapping or "
+                                                 "misplaced tensors).", _FIX_FORMAT)
+            end = stop
+        present = size - 8 - n
+        if end > present:
+            raise CheckpointError(self.path, f"is truncated: {end - present:,} bytes of tensor data are missing "
+                                             f"({size:,} of {8 + n + end:,} bytes present).", _FIX_COPY)
+        if end < present:
+            raise CheckpointError(self.path, f"has {present - end:,} bytes after its last tensor; it is not a "
+                                             "complete safetensors file.", _FIX_COPY)
+        return header, metadata, 8 + n
+
+    def _check_entry(self, key, e):
+        def bad(what):
+            return CheckpointError(self.path, f"has a malformed header entry for {key!r}: {what}.", _FIX_FORMAT)
+
+        if not isinstance(e, dict):
+            raise bad("it is not an object")
+        dtype, shape, offsets = e.get("dtype"), e.get("shape"), e.get("data_offsets")
+        if not isinstance(dtype, str):
+            raise bad("no dtype")
+        if dtype not in _ITEMSIZE:
+            raise bad(f"unknown dtype {dtype!r}")
+        if not isinstance(shape, list) or not all(_is_uint(s) for s in shape):
+            raise bad("its shape is not a list of non-negative integers")
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_uint(o) for o in offsets)
+                and offsets[0] <= offsets[1]):
+            raise bad("its data_offsets are not two non-negative integers in order")
+        nbytes = math.prod(shape) * _ITEMSIZE[dtype]
+        if offsets[1] - offsets[0] != nbytes:
+            raise bad(f"its data_offsets span {offsets[1] - offsets[0]:,} bytes, but a {dtype} tensor of shape "
+                      f"{shape} has {nbytes:,}")
+        return offsets[0], offsets[1]
 
     def keys(self):
         return self.entries.keys()
@@ -72,23 +142,69 @@ class SafetensorsFile:
                                   "Supported storage: bf16, fp16, fp32, fp8 e4m3fn.")
         return DTYPES[name]
 
-    def tensor(self, key) -> torch.Tensor:
-        """A zero-copy view into the mapped file."""
-        e = self.entries[key]
+    def _pread(self, view, offset) -> int:
+        """Fill ``view`` from ``offset``; the bytes read (fewer only at the end of the file)."""
+        done = 0
+        while done < len(view):
+            if hasattr(os, "preadv"):
+                got = os.preadv(self._file.fileno(), [view[done:]], offset + done)
+            else:
+                with self._lock:
+                    self._file.seek(offset + done)
+                    got = self._file.readinto(view[done:])
+            if not got:
+                break
+            done += got
+        return done
+
+    def check_unchanged(self):
+        """Raise ``FileChanged`` when the file is not the one that was opened (rewritten, truncated)."""
+        if self._file is None:
+            raise CheckpointError(self.path, "was closed (the model was released).", "Load the model again.")
+        st = os.fstat(self._file.fileno())
+        if (st.st_size, st.st_mtime_ns) != self._identity:
+            raise FileChanged(self.path, "changed on disk after it was loaded (its size or modification time "
+                                         "differ).", "Load the model again once the file is complete "
+                                                     "(e.g. after a download has finished).")
+
+    def read_into(self, key, out: torch.Tensor):
+        """Read tensor ``key`` into ``out``: a contiguous host tensor of its shape, in its stored
+        dtype or any other (then it is cast)."""
         dtype = self.dtype(key)
-        start, stop = e["data_offsets"]
-        shape = tuple(e["shape"])
-        if stop == start:
-            return torch.empty(shape, dtype=dtype)
-        flat = torch.frombuffer(self._map, dtype=dtype, count=(stop - start) // dtype.itemsize,
-                                offset=self._base + start)
-        return flat.view(shape)
+        if out.dtype != dtype or out.device.type != "cpu" or not out.is_contiguous():
+            tmp = torch.empty(self.shape(key), dtype=dtype)
+            self.read_into(key, tmp)
+            out.copy_(tmp)
+            return
+        start, stop = self.entries[key]["data_offsets"]
+        view = memoryview(out.view(-1).view(torch.uint8).numpy()) if out.numel() else memoryview(b"")
+        self.check_unchanged()
+        if self._pread(view, self._base + start) < stop - start:
+            raise FileChanged(self.path, f"ended while {key!r} was read: it was truncated after it was loaded.",
+                              "Load the model again once the file is complete.")
+
+    def stored(self, key) -> "StoredTensor":
+        return StoredTensor(self, key)
+
+    def tensor(self, key) -> torch.Tensor:
+        """Tensor ``key`` as a fresh host tensor in its stored dtype."""
+        out = torch.empty(self.shape(key), dtype=self.dtype(key))
+        self.read_into(key, out)
+        return out
 
     def close(self):
         self.entries = {}
-        if self._map is not None:
-            try:
-                self._map.close()
-            except BufferError:  # views still alive keep the mapping; it goes with them
-                pass
-            self._map = None
+        if self._file is not None:
+            self._file.close()
+        self._file = None
+
+
+class StoredTensor:
+    """One tensor of a file, read on demand: what a host master or an upload is filled from."""
+
+    def __init__(self, file: SafetensorsFile, key: str):
+        self.file, self.key = file, key
+        self.shape, self.dtype = file.shape(key), file.dtype(key)
+
+    def read_into(self, out: torch.Tensor):
+        self.file.read_into(self.key, out)

@@ -1,7 +1,8 @@
 """Main layers: some resident on the device, spread through the stack, the others streamed.
 
 Every main layer's five big matrices have one host master: a packed buffer (pinned on CUDA,
-taken from a ``HostPool``) or, past the pinning cap, the memory-mapped file pieces. The first
+taken from a ``HostPool``) or, past the pinning cap, the file itself, read into a staging buffer
+for each upload. The first
 ``n_resident`` layers of ``residency_order`` also have a packed device buffer; the others are
 uploaded, one copy per layer, into a ring of device slots on a dedicated copy stream, ordered
 with events: a slot is refilled only after the layer that used it has finished, and a layer
@@ -71,11 +72,15 @@ class PackLayout:
         return flat[o:o + math.prod(shape)].view(shape)
 
     def fill(self, flat, pieces: dict):
-        """Copy pieces {name: [(row, tensor)]} into ``flat`` (casting to its dtype)."""
+        """Copy pieces {name: [(row, tensor or StoredTensor)]} into ``flat`` (casting to its dtype);
+        a ``StoredTensor`` is read from its file straight into host memory."""
         for name, parts in pieces.items():
             dst = self.region(flat, name)
             for row, t in parts:
-                dst[row:row + t.shape[0]].copy_(t, non_blocking=flat.is_cuda and t.is_pinned())
+                if isinstance(t, torch.Tensor):
+                    dst[row:row + t.shape[0]].copy_(t, non_blocking=flat.is_cuda and t.is_pinned())
+                else:
+                    t.read_into(dst[row:row + t.shape[0]])
 
 
 def device_of(device) -> torch.device:
@@ -105,6 +110,7 @@ class LayerStreamer:
         # forward's j-th streamed layer and uses slot position % slots; uploads are queued up to
         # position ``_queued`` (exclusive)
         self._base = self._queued = 0
+        self._staging = None                   # host buffer for uploads of layers without a master
         self.profile = False
         self.copy_events = []                  # (start, end) per upload while profiling
         self.uploads = 0                       # streamed uploads since the last reset
@@ -140,8 +146,13 @@ class LayerStreamer:
     def _upload(self, i, dst):
         if self.host[i] is not None:
             dst.copy_(self.host[i], non_blocking=self.cuda)
-        else:  # past the pinning cap: pageable pieces straight from the mapped file
+        elif not self.cuda:
             self.layout.fill(dst, self.sources[i])
+        else:  # past the pinning cap: read into pageable staging, then a synchronous upload from it
+            if self._staging is None:
+                self._staging = torch.empty(self.layout.numel, dtype=self.layout.dtype)
+            self.layout.fill(self._staging, self.sources[i])
+            dst.copy_(self._staging)
 
     # -- device side -----------------------------------------------------------------------
 
@@ -206,6 +217,7 @@ class LayerStreamer:
         self._ready.clear(), self._free.clear()
         self.drop_queued()
         self.host = [None] * self.n_layers
+        self._staging = None
         self.pool.release_all()
 
     def synchronize(self):

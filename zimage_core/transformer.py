@@ -121,8 +121,7 @@ class ZImageTransformer(torch.nn.Module):
                 model = ZImageDiT(cfg, compute)
             dev = torch.device(device)
             home = torch.device(initial_device) if initial_device is not None else dev
-            # copy=True: a parameter must never alias the mapped file, which stays the pristine base
-            state = {name: ckpt.tensor(name).to(dtype=compute, copy=True) for name, _ in model.named_parameters()}
+            state = {name: ckpt.tensor(name, dtype=compute) for name, _ in model.named_parameters()}
             model.load_state_dict(state, assign=True)
             model.requires_grad_(False)  # inference only: no autograd graph keeps activations alive
             layout = PackLayout(cfg, storage)
@@ -307,14 +306,13 @@ class ZImageTransformer(torch.nn.Module):
 
     def base_weight(self, key) -> torch.Tensor:
         """The weight as loaded from the file (storage dtype for streamed matrices, compute dtype
-        for the rest), freshly read from the mapped file."""
+        for the rest), freshly read from the file."""
         slot = self._big_slot(key)
         if slot:
             out = torch.empty(self.streamer.layout.shapes[slot[1]], dtype=self.storage_dtype)
         else:
             out = torch.empty(self.model.get_parameter(key).shape, dtype=self.dtype)
-        for row, t in self.ckpt.pieces(key):
-            out[row:row + t.shape[0]].copy_(t)
+        self.ckpt.read_into(key, out)
         return out
 
     def set_weight(self, key, value: torch.Tensor):
