@@ -18,3 +18,7 @@ class CheckpointError(ZImageError):
 
 class OutOfDeviceMemory(ZImageError):
     """Not even a fully streamed transformer fits next to the activations."""
+
+
+class SettingError(ZImageError):
+    """An environment variable or option set to a value the pack cannot use."""

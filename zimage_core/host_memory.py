@@ -8,14 +8,19 @@ total, which the tests use to check that failures leave nothing behind.
 from __future__ import annotations
 
 import logging
+import math
 import os
+import sys
 import threading
 import weakref
 
 import torch
 
+from .errors import SettingError
+
 _lock = threading.Lock()
 _live = 0
+MEMINFO = "/proc/meminfo"
 
 
 def live_bytes() -> int:
@@ -24,20 +29,44 @@ def live_bytes() -> int:
 
 
 def available_ram() -> int | None:
-    """MemAvailable from /proc/meminfo (Linux); None where it cannot be read."""
+    """Physical RAM available now, or None where it cannot be read. Linux: MemAvailable from
+    /proc/meminfo (it counts the page cache the kernel can drop); Windows: GlobalMemoryStatusEx;
+    other systems: sysconf's available pages."""
     try:
-        with open("/proc/meminfo") as f:
+        with open(MEMINFO) as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
-    return None
+    if sys.platform == "win32":
+        return _windows_available_ram()
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):  # not every POSIX system has SC_AVPHYS_PAGES (macOS)
+        return None
+
+
+def _windows_available_ram() -> int | None:
+    import ctypes
+
+    class MemoryStatusEx(ctypes.Structure):
+        _fields_ = [("dwLength", ctypes.c_uint32), ("dwMemoryLoad", ctypes.c_uint32),
+                    ("ullTotalPhys", ctypes.c_uint64), ("ullAvailPhys", ctypes.c_uint64),
+                    ("ullTotalPageFile", ctypes.c_uint64), ("ullAvailPageFile", ctypes.c_uint64),
+                    ("ullTotalVirtual", ctypes.c_uint64), ("ullAvailVirtual", ctypes.c_uint64),
+                    ("ullAvailExtendedVirtual", ctypes.c_uint64)]
+
+    status = MemoryStatusEx()
+    status.dwLength = ctypes.sizeof(status)
+    if not ctypes.windll.kernel32.GlobalMemoryStatusEx(ctypes.byref(status)):
+        return None
+    return status.ullAvailPhys
 
 
 def default_cap() -> int:
     """Half of the RAM that is available now: the rest of the machine (the text encoder's
-    host copy, ComfyUI, the OS) keeps the other half."""
+    host copy, ComfyUI, the OS) keeps the other half. 8 GiB where the RAM cannot be read."""
     avail = available_ram()
     if avail is None:
         return 8 << 30
@@ -113,5 +142,14 @@ class HostPool:
     @staticmethod
     def environment_cap() -> int | None:
         """ZIMAGE_PINNED_GIB: the pinned bytes this process may hold in all (e.g. for a 16 GB RAM machine)."""
-        v = os.environ.get("ZIMAGE_PINNED_GIB")
-        return int(float(v) * (1 << 30)) if v else None
+        text = os.environ.get("ZIMAGE_PINNED_GIB", "").strip()
+        if not text:
+            return None
+        try:
+            gib = float(text)
+        except ValueError:
+            gib = math.nan
+        if not (math.isfinite(gib) and gib >= 0):
+            raise SettingError(f"ZIMAGE_PINNED_GIB is {text!r}: set it to a number of GiB >= 0 (e.g. 4 or 10.5; "
+                               "0 pins nothing), or unset it to pin up to half of the available RAM.")
+        return int(gib * (1 << 30))
