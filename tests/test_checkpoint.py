@@ -167,3 +167,83 @@ def test_bad_dtype_options(tiny_file):
         ZImageTransformer.load(tiny_file, device="cpu", dtype="fp8")
     with pytest.raises(ZImageError, match="weight dtype 'int8'"):
         ZImageTransformer.load(tiny_file, device="cpu", weight_dtype="int8")
+
+
+def _rewrite_header(src, dst, edit):
+    """Copy ``src`` to ``dst`` with its JSON header passed through ``edit(header) -> header``."""
+    raw = open(src, "rb").read()
+    n = struct.unpack("<Q", raw[:8])[0]
+    _write_raw(dst, edit(json.loads(raw[8:8 + n])), raw[8 + n:])
+
+
+KEY = "layers.0.feed_forward.w2.weight"
+
+
+@pytest.mark.parametrize("edit,fragments", [
+    (lambda h: list(h), ["not a JSON object"]),
+    (lambda h: {**h, KEY: {**h[KEY], "data_offsets": [str(o) for o in h[KEY]["data_offsets"]]}},
+     [KEY, "data_offsets"]),
+    (lambda h: {**h, KEY: {k: v for k, v in h[KEY].items() if k != "shape"}}, [KEY, "shape"]),
+    (lambda h: {**h, KEY: {**h[KEY], "shape": [10, 50]}}, [KEY, "span", "bytes"]),
+    (lambda h: {**h, KEY: {**h[KEY], "data_offsets": [-64, h[KEY]["data_offsets"][1] - 64 - h[KEY]["data_offsets"][0]]}},
+     [KEY, "data_offsets"]),
+    (lambda h: {**h, KEY: {**h[KEY], "dtype": "Q7"}}, [KEY, "unknown dtype"]),
+    (lambda h: {**h, "__metadata__": [1]}, ["__metadata__"]),
+], ids=["list", "string-offsets", "no-shape", "offsets-vs-shape", "negative-offsets", "dtype", "metadata"])
+def test_malformed_headers_are_named(tmp_path, tiny_file, edit, fragments):
+    p = tmp_path / "bad.safetensors"
+    _rewrite_header(tiny_file, p, edit)
+    msg = _expect(p, *fragments)
+    assert "\n" not in msg
+
+
+def test_overlapping_tensors_are_refused(tmp_path, tiny_file):
+    """Offsets that read another tensor's bytes (or the header's) must never load silently."""
+    def shift(h):
+        a, b = h[KEY]["data_offsets"]
+        h[KEY]["data_offsets"] = [a - 8, b - 8]
+        return h
+    p = tmp_path / "overlap.safetensors"
+    _rewrite_header(tiny_file, p, shift)
+    _expect(p, "malformed header", KEY)
+
+
+def test_trailing_bytes_are_refused(tmp_path, tiny_file):
+    p = tmp_path / "long.safetensors"
+    p.write_bytes(open(tiny_file, "rb").read() + b"\0" * 100)
+    _expect(p, "100 bytes after its last tensor")
+
+
+def test_misshapen_norm_is_the_one_named(tmp_path, reference):
+    """One q_norm of the wrong size: the error names it, not its k_norm twin."""
+    shapes = dict(expected_shapes(TINY), **{"layers.0.attention.q_norm.weight": (64,)})
+    p = tmp_path / "qnorm.safetensors"
+    write_safetensors(str(p), [(k, s, torch.float32, lambda s=s: torch.zeros(s)) for k, s in shapes.items()])
+    msg = _expect(p, "layers.0.attention.q_norm.weight", "shape [64]", "expected [128]")
+    assert "k_norm" not in msg
+
+
+def test_file_changed_after_loading_is_an_error_not_a_crash(tmp_path, tiny_file):
+    """A file truncated or rewritten in place while loaded (an interrupted re-download): layers read
+    from it give a clear error; the process lives, and the model still releases cleanly."""
+    import shutil
+    from conftest import inputs
+    p = tmp_path / "live.safetensors"
+    shutil.copy(tiny_file, p)
+    before = host_memory.live_bytes()
+    t = ZImageTransformer.load(str(p), device="cpu", dtype="fp32", pinned_cap=0)  # every layer read from the file
+    t.prepare(64, 48, resident_layers=1)  # the other layers are read at every step
+    x, ts, ctx = inputs(t.cfg)
+    t(x, ts, ctx)
+    size = os.path.getsize(p)
+    with open(p, "r+b") as f:
+        f.truncate(size // 2)
+    with pytest.raises(CheckpointError, match="changed on disk after it was loaded"):
+        t(x, ts, ctx)
+    with open(p, "r+b") as f:  # rewritten to the same size: the modification time tells
+        f.truncate(size)
+    os.utime(p, ns=(1, 1))
+    with pytest.raises(CheckpointError, match="changed on disk"):
+        t(x, ts, ctx)
+    t.release()
+    assert host_memory.live_bytes() == before

@@ -138,7 +138,7 @@ class ZImageTransformer(torch.nn.Module):
             streamer.pin()
             if streamer.pinned_layers < cfg.n_layers:
                 log.warning("Z-Image: %d of %d layers fit under the pinned-memory cap of %.1f GiB; the rest "
-                            "upload from the memory-mapped file (slower when they stream).",
+                            "are read from the file at every upload (slower when they stream).",
                             streamer.pinned_layers, cfg.n_layers, pool.cap / planner.GiB)
             t = cls(model, streamer, ckpt, fixed)
             if home == dev:
