@@ -1,0 +1,230 @@
+"""The command lines a user meets: `python -m zimage_core` and `workflows/api/run.py`. Every bad input
+gives one line and a non-zero exit status.
+
+Starting `python -m zimage_core` imports torch (seconds), so most cases call its `main()` in this
+process; the subprocess cases check the real entry point, run concurrently."""
+import http.server
+import json
+import os
+import socket
+import struct
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from conftest import TINY
+from zimage_core import __main__ as cli
+from zimage_core import random_weights
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RUN_PY = os.path.join(ROOT, "workflows", "api", "run.py")
+BAD_ARGS = 2  # argparse's exit status
+
+
+def run_main(argv, capsys):
+    """(exit status, stdout, stderr) of cli.main(argv), as the interpreter would report them."""
+    try:
+        cli.main(argv)
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    out, err = capsys.readouterr()
+    if isinstance(code, str):  # sys.exit("message"): printed to stderr, status 1
+        err, code = err + code + "\n", 1
+    return code or 0, out, err
+
+
+def one_line(text):
+    lines = [line for line in text.splitlines() if line.strip()]
+    assert len(lines) == 1, text
+    assert "Traceback" not in text
+    return lines[0]
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["plan", "--vram-gib", "-1"], ["--vram-gib", "-1", "from 0 up to"]),
+    (["plan", "--vram-gib", "nan"], ["--vram-gib", "'nan'", "finite"]),
+    (["plan", "--vram-gib", "inf"], ["--vram-gib", "'inf'", "finite"]),
+    (["plan", "--vram-gib", "1e300"], ["--vram-gib", "up to"]),
+    (["plan", "--vram-gib", "lots"], ["--vram-gib", "'lots' is not a number"]),
+    (["plan", "--batch", "0"], ["--batch", "give 1 to 64"]),
+    (["plan", "--batch", "65"], ["--batch", "give 1 to 64"]),
+    (["plan", "--width", "1000"], ["--width", "multiples of 16", "try 992"]),
+    (["plan", "--height", "0"], ["--height", "multiples of 16"]),
+    (["plan", "--height", "-16"], ["--height", "multiples of 16"]),
+    (["plan", "--width", "8192"], ["--width", "from 16 to 4096"]),
+    (["plan", "--width", "10.5"], ["--width", "not a whole number"]),
+    (["bench", "--weights", "README.md", "--width", "1000"], ["--width", "multiples of 16", "try 992"]),
+    (["bench", "--weights", "README.md", "--height", "4112"], ["--height", "from 16 to 4096"]),
+    (["bench", "--weights", "README.md", "--steps", "0"], ["--steps", "give 1 to 200"]),
+    (["bench", "--weights", "README.md", "--resident-layers", "30,x"], ["--resident-layers", "30,18,0"]),
+    (["bench", "--weights", "README.md", "--resident-layers", "-1"], ["--resident-layers", "0 or more"]),
+    (["bench", "--weights", "README.md", "--simulate-card-gib", "0"], ["--simulate-card-gib", "above 0"]),
+    (["bench", "--weights", "README.md", "--device", "gpu7"], ["--device", "not a device"]),
+    (["bench", "--weights", "no_such_file.safetensors"], ["--weights", "no such file: no_such_file.safetensors"]),
+    (["bench"], ["required", "--weights"]),
+    (["random-weights", "tests"], ["tests is a folder", "z_image_turbo_bf16.safetensors"]),
+    (["random-weights", "x.ckpt"], [".safetensors"]),
+    (["random-weights", "x.safetensors", "--layers", "0"], ["--layers", "give 1 to 64"]),
+    (["plan", "--no-such-option"], ["unrecognized arguments"]),
+    ([], ["required", "plan|random-weights|bench"]),
+])
+def test_bad_arguments(argv, words, capsys):
+    code, out, err = run_main(argv, capsys)
+    line = one_line(err)
+    assert code == BAD_ARGS, (code, err)
+    assert not out
+    assert line.startswith("python -m zimage_core") and "error:" in line, line
+    for w in words:
+        assert w in line, (w, line)
+
+
+def test_plan_fits(capsys):
+    code, out, err = run_main(["plan", "--vram-gib", "11.5", "--width", "1024", "--height", "1024"], capsys)
+    assert code == 0 and not err
+    assert out.startswith("Z-Image: ") and "layers on the GPU" in out
+
+
+@pytest.mark.parametrize("extra", [[], ["--json"]])
+def test_plan_does_not_fit_exits_non_zero(extra, capsys):
+    for gib in ("0", "0.5"):
+        code, out, err = run_main(["plan", "--vram-gib", gib, *extra], capsys)
+        assert code == cli.DOES_NOT_FIT, (code, out, err)
+        if extra:
+            assert json.loads(out)["fits"] is False
+        else:
+            assert "does not fit" in out.splitlines()[0]
+
+
+def test_help_texts(capsys):
+    for cmd, phrases in (("plan", ["image width in pixels", "image height in pixels", "images made at once",
+                                   "print the plan as one JSON object"]),
+                         ("bench", ["a Z-Image transformer .safetensors file", "image width in pixels",
+                                    "one JSON object per line"]),
+                         ("random-weights", ["the .safetensors file to write", "main transformer layers"])):
+        with pytest.raises(SystemExit) as e:
+            cli.main([cmd, "--help"])
+        assert e.value.code == 0
+        text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+        for phrase in phrases:
+            assert phrase in text, (cmd, phrase, text)
+
+
+def test_random_weights_creates_the_folder(tmp_path, monkeypatch, capsys):
+    """A folder that does not exist is created (full-size weights would take a minute: the tiny config)."""
+    real = random_weights.write_checkpoint
+    monkeypatch.setattr(random_weights, "write_checkpoint", lambda path, cfg, **kw: real(path, TINY, **kw))
+    out = tmp_path / "new" / "deeper" / "z.safetensors"
+    code, stdout, err = run_main(["random-weights", str(out), "--dtype", "fp32"], capsys)
+    assert code == 0, err
+    assert out.is_file() and "created" in stdout and "wrote" in stdout
+    with open(out, "rb") as f:
+        assert struct.unpack("<Q", f.read(8))[0] > 0
+
+
+def test_random_weights_folder_cannot_be_made(tmp_path, capsys):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    code, _, err = run_main(["random-weights", str(blocker / "sub" / "z.safetensors")], capsys)
+    assert code == 1
+    assert "cannot create the folder" in one_line(err)
+
+
+def test_entry_point_exit_statuses():
+    """The real `python -m zimage_core`: status and a single stderr line per case."""
+    cases = {("plan", "--vram-gib", "nan"): BAD_ARGS, ("plan", "--vram-gib", "1"): cli.DOES_NOT_FIT}
+    procs = {args: subprocess.Popen([sys.executable, "-m", "zimage_core", *args], cwd=ROOT, text=True,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE) for args in cases}
+    for args, proc in procs.items():
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == cases[args], (args, proc.returncode, out, err)
+        if cases[args] == BAD_ARGS:
+            one_line(err)
+        else:
+            assert not err and "does not fit" in out
+
+
+# -- workflows/api/run.py against a server that dies ------------------------------------------------
+
+class _DyingHandler(http.server.BaseHTTPRequestHandler):
+    """Queues the prompt, or not, then drops the connection the way a server that dies does."""
+    mode = "post"
+
+    def log_message(self, *args):
+        pass
+
+    def _drop(self, reset):
+        if reset:  # RST instead of FIN: the client sees ConnectionResetError
+            self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        self.close_connection = True
+        self.connection.close()
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))  # the whole request, then nothing
+        if self.mode == "post":
+            return self._drop(reset=False)
+        body = json.dumps({"prompt_id": "p1", "number": 0, "node_errors": {}}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self):
+        if self.mode == "history-partial":  # the answer starts, then the server dies
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", "1000")
+            self.end_headers()
+            self.wfile.write(b'{"p1": {"status"')
+            self.wfile.flush()
+            return self._drop(reset=False)
+        self._drop(reset=self.mode == "history-reset")
+
+
+@pytest.fixture
+def dying_server(request):
+    handler = type("Handler", (_DyingHandler,), {"mode": request.param})
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def run_script(*args):
+    return subprocess.run([sys.executable, RUN_PY, *args], capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("dying_server", ["post", "history-closed", "history-reset", "history-partial"],
+                         indirect=True)
+def test_run_script_server_dies(dying_server, tmp_path):
+    r = run_script("--server", dying_server, "--out", str(tmp_path / "images"), "--timeout", "30")
+    line = one_line(r.stderr)
+    assert r.returncode != 0, (r.stdout, r.stderr)
+    assert line.startswith("lost the connection to ComfyUI at " + dying_server), line
+    assert "Did the server stop?" in line
+    assert not (tmp_path / "images").exists()
+
+
+def test_run_script_server_down(tmp_path):
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    r = run_script("--server", f"http://127.0.0.1:{port}", "--out", str(tmp_path))
+    assert r.returncode != 0
+    assert "cannot reach ComfyUI" in one_line(r.stderr)
+
+
+@pytest.mark.parametrize("content, words", [(None, "cannot read the workflow"), ("{not json", "is not JSON"),
+                                            ("[1, 2]", "is not an API-format workflow")])
+def test_run_script_bad_workflow_file(tmp_path, content, words):
+    path = tmp_path / "wf.json"
+    if content is not None:
+        path.write_text(content)
+    r = run_script("--workflow", str(path), "--server", "http://127.0.0.1:9")
+    assert r.returncode != 0
+    assert words in one_line(r.stderr)
