@@ -8,6 +8,7 @@ custom_nodes/ and the models in place. The workflow defaults to z_image_turbo.js
 script; --workflow takes any API-format export (Workflow > Export (API)).
 """
 import argparse
+import http.client
 import json
 import os
 import sys
@@ -24,6 +25,7 @@ SIZE_NODES = ("ZImageSampler", "EmptySD3LatentImage", "EmptyLatentImage")
 
 
 def call(server, path, body=None, timeout=60):
+    """The body of the server's answer; any failure ends the script with one line."""
     data = None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(server.rstrip("/") + path, data=data,
                                  headers={"Content-Type": "application/json"} if data else {})
@@ -31,10 +33,26 @@ def call(server, path, body=None, timeout=60):
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return r.read()
     except urllib.error.HTTPError as e:
-        detail = e.read().decode(errors="replace")
+        try:
+            detail = e.read().decode(errors="replace")
+        except (OSError, http.client.HTTPException):
+            detail = ""
         raise SystemExit(f"{req.get_method()} {path}: HTTP {e.code}: {detail[:4000]}") from None
     except urllib.error.URLError as e:
         raise SystemExit(f"cannot reach ComfyUI at {server}: {e.reason}. Is the server running?") from None
+    except (OSError, http.client.HTTPException) as e:
+        # the server closed or reset the connection, or stopped answering: it died or was stopped mid-run
+        raise SystemExit(f"lost the connection to ComfyUI at {server} during {req.get_method()} {path}: "
+                         f"{e or type(e).__name__}. Did the server stop? Its console says why.") from None
+
+
+def call_json(server, path, body=None):
+    raw = call(server, path, body)
+    try:
+        return json.loads(raw)
+    except ValueError:
+        raise SystemExit(f"{server}{path} answered something that is not JSON ({raw[:80]!r}): "
+                         "is this a ComfyUI server?") from None
 
 
 def nodes_of(workflow, class_types):
@@ -76,15 +94,17 @@ def error_text(status):
 
 def run(server, workflow, out_dir, timeout=3600, poll=1.0, quiet=False):
     """Queue `workflow`, wait for it and download its images into `out_dir`; the saved paths."""
-    resp = json.loads(call(server, "/prompt", {"prompt": workflow, "client_id": uuid.uuid4().hex}))
+    resp = call_json(server, "/prompt", {"prompt": workflow, "client_id": uuid.uuid4().hex})
     if resp.get("node_errors"):
         raise SystemExit(f"ComfyUI rejected the workflow: {json.dumps(resp['node_errors'], indent=1)[:4000]}")
-    prompt_id = resp["prompt_id"]
+    prompt_id = resp.get("prompt_id")
+    if prompt_id is None:
+        raise SystemExit(f"ComfyUI queued nothing: {json.dumps(resp)[:2000]}")
     if not quiet:
         print(f"queued {prompt_id}", flush=True)
     end = time.monotonic() + timeout
     while True:
-        entry = json.loads(call(server, f"/history/{prompt_id}")).get(prompt_id)
+        entry = call_json(server, f"/history/{prompt_id}").get(prompt_id)
         status = (entry or {}).get("status", {})
         if status.get("status_str") == "success" or status.get("completed"):
             break
@@ -114,21 +134,33 @@ def run(server, workflow, out_dir, timeout=3600, poll=1.0, quiet=False):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--server", default="http://127.0.0.1:8188")
+    ap.add_argument("--server", default="http://127.0.0.1:8188", help="ComfyUI's address (default %(default)s)")
     ap.add_argument("--workflow", default=os.path.join(HERE, "z_image_turbo.json"),
                     help="an API-format workflow (default: z_image_turbo.json beside this script)")
     ap.add_argument("--out", default="zimage_out", help="folder for the images (created)")
-    ap.add_argument("--prompt")
-    ap.add_argument("--seed", type=int)
-    ap.add_argument("--width", type=int)
-    ap.add_argument("--height", type=int)
-    ap.add_argument("--steps", type=int)
+    ap.add_argument("--prompt", help="the positive prompt (default: the workflow's)")
+    ap.add_argument("--seed", type=int, help="the sampler's seed (default: the workflow's)")
+    ap.add_argument("--width", type=int, help="image width in pixels, a multiple of 16 (default: the workflow's)")
+    ap.add_argument("--height", type=int, help="image height in pixels, a multiple of 16 (default: the workflow's)")
+    ap.add_argument("--steps", type=int, help="sampling steps (default: the workflow's; Z-Image-Turbo uses 8)")
     ap.add_argument("--timeout", type=float, default=3600, help="seconds to wait for the prompt")
     a = ap.parse_args(argv)
-    with open(a.workflow) as f:
-        workflow = json.load(f)
+    try:
+        with open(a.workflow) as f:
+            workflow = json.load(f)
+    except OSError as e:
+        raise SystemExit(f"cannot read the workflow {a.workflow}: {e.strerror}") from None
+    except ValueError as e:
+        raise SystemExit(f"{a.workflow} is not JSON ({e}): export it with Workflow > Export (API)") from None
+    if not isinstance(workflow, dict):
+        raise SystemExit(f"{a.workflow} is not an API-format workflow: export it with Workflow > Export (API)")
     apply_overrides(workflow, a.prompt, a.seed, a.width, a.height, a.steps)
-    run(a.server, workflow, a.out, timeout=a.timeout)
+    try:
+        run(a.server, workflow, a.out, timeout=a.timeout)
+    except KeyboardInterrupt:
+        raise SystemExit("stopped waiting; the prompt may still run on the server (POST /interrupt stops it)") from None
+    except OSError as e:  # the server's errors are handled in call(): this is the output folder
+        raise SystemExit(f"cannot save the images in {a.out}: {e}") from None
     return 0
 
 
