@@ -299,8 +299,10 @@ def load_model(path, weight_dtype="default", max_resident=None, leave_free_gib=0
     model_config.set_inference_dtype(unet_dtype, manual_cast)
     storage = weight if weight == torch.float8_e4m3fn else compute
     storage_name = {v: k for k, v in STORAGE_DTYPES.items()}[storage]
+    # an interrupt is seen between blocks (and, on the CPU, between pieces of one), not only between steps
     t = ZImageTransformer.load(path, device=load_device, dtype=_DTYPE_NAMES[compute], weight_dtype=storage_name,
-                               initial_device=offload_device)
+                               initial_device=offload_device,
+                               check_interrupt=mm.throw_exception_if_processing_interrupted)
     t.model.set_attention(comfy_attention)
     t.max_resident = max_resident
     t.leave_free = int(leave_free_gib * planner.GiB)

@@ -22,3 +22,11 @@ class OutOfDeviceMemory(ZImageError):
 
 class SettingError(ZImageError):
     """An environment variable or option set to a value the pack cannot use."""
+
+
+class NonFiniteWeights(ZImageError):
+    """A streamed layer's matrix holds NaN or infinity (named by layer index and matrix)."""
+
+    def __init__(self, layer, name):
+        self.layer, self.name = layer, name
+        super().__init__(f"layer {layer}: {name} is not finite")

@@ -6,17 +6,43 @@ tensor or a view of a streaming slot: that is what makes streamed output bit-ide
 Called the way ComfyUI calls its diffusion models:
 ``model(x, timesteps, context, num_tokens, attention_mask=None, transformer_options={})``,
 with ``timesteps`` = sigma and the output negated (the sampler sees noise - x0).
+
+A ``Chunks`` argument runs every block in pieces of the sequence (projections and FFN by rows,
+attention by queries) with a ``tick`` between pieces: on the CPU a 2048x2048 block is a minute of
+work, and an interrupt is only seen between pieces; the FFN's hidden states then exist for one
+piece at a time.
 """
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .config import ZImageConfig
+
+
+class Chunks(NamedTuple):
+    """Run blocks ``rows`` tokens (``queries`` for attention) at a time, calling ``tick()`` between
+    pieces (an interrupt check)."""
+    rows: int
+    queries: int
+    tick: Callable[[], None]
+
+
+def _pieces(n, size):
+    return [(a, min(a + size, n)) for a in range(0, n, size)]
+
+
+def _rowwise(fn, x, size, tick):
+    """fn over row pieces of x [B, L, ...], concatenated."""
+    out = []
+    for a, b in _pieces(x.shape[1], size):
+        out.append(fn(x[:, a:b]))
+        tick()
+    return torch.cat(out, dim=1)
 
 
 class BigWeights(NamedTuple):
@@ -117,29 +143,38 @@ class Block(nn.Module):
         if modulated:
             self.adaLN_modulation = nn.Sequential(Linear(cfg.t_dim, 4 * cfg.dim))
 
-    def attend(self, x, freqs, w: BigWeights):
+    def attend(self, x, freqs, w: BigWeights, chunks: Chunks | None = None):
         b, n, _ = x.shape
-        q, k, v = linear(x, w.qkv).split(self.n_heads * self.head_dim, dim=-1)
+        qkv = linear(x, w.qkv) if chunks is None else _rowwise(lambda y: linear(y, w.qkv), x, chunks.rows, chunks.tick)
+        q, k, v = qkv.split(self.n_heads * self.head_dim, dim=-1)
         q = self.attention.q_norm(q.view(b, n, self.n_heads, self.head_dim))
         k = self.attention.k_norm(k.view(b, n, self.n_heads, self.head_dim))
         v = v.view(b, n, self.n_heads, self.head_dim)
         q, k = apply_rope(q, freqs), apply_rope(k, freqs)
-        o = self.attention_fn(q.movedim(1, 2), k.movedim(1, 2), v.movedim(1, 2), self.n_heads)
-        return linear(o, w.out)
+        q, k, v = q.movedim(1, 2), k.movedim(1, 2), v.movedim(1, 2)
+        if chunks is None:
+            return linear(self.attention_fn(q, k, v, self.n_heads), w.out)
+        out = []
+        for a, e in _pieces(n, chunks.queries):
+            out.append(linear(self.attention_fn(q[:, :, a:e], k, v, self.n_heads), w.out))
+            chunks.tick()
+        return torch.cat(out, dim=1)
 
-    def ffn(self, x, w: BigWeights):
-        return linear(clamp_fp16(F.silu(linear(x, w.w1)) * linear(x, w.w3)), w.w2)
+    def ffn(self, x, w: BigWeights, chunks: Chunks | None = None):
+        def run(y):
+            return linear(clamp_fp16(F.silu(linear(y, w.w1)) * linear(y, w.w3)), w.w2)
+        return run(x) if chunks is None else _rowwise(run, x, chunks.rows, chunks.tick)
 
-    def forward(self, x, freqs, adaln, w: BigWeights):
+    def forward(self, x, freqs, adaln, w: BigWeights, chunks: Chunks | None = None):
         if self.modulated:
             scale_msa, gate_msa, scale_mlp, gate_mlp = self.adaLN_modulation(adaln).chunk(4, dim=1)
             x = x + gate_msa.unsqueeze(1).tanh() * self.attention_norm2(clamp_fp16(
-                self.attend(self.attention_norm1(x) * (1 + scale_msa.unsqueeze(1)), freqs, w)))
+                self.attend(self.attention_norm1(x) * (1 + scale_msa.unsqueeze(1)), freqs, w, chunks)))
             x = x + gate_mlp.unsqueeze(1).tanh() * self.ffn_norm2(clamp_fp16(
-                self.ffn(self.ffn_norm1(x) * (1 + scale_mlp.unsqueeze(1)), w)))
+                self.ffn(self.ffn_norm1(x) * (1 + scale_mlp.unsqueeze(1)), w, chunks)))
         else:
-            x = x + self.attention_norm2(clamp_fp16(self.attend(self.attention_norm1(x), freqs, w)))
-            x = x + self.ffn_norm2(self.ffn(self.ffn_norm1(x), w))
+            x = x + self.attention_norm2(clamp_fp16(self.attend(self.attention_norm1(x), freqs, w, chunks)))
+            x = x + self.ffn_norm2(self.ffn(self.ffn_norm1(x), w, chunks))
         return x
 
 
@@ -193,7 +228,9 @@ class ZImageDiT(nn.Module):
             if isinstance(block, Block):
                 block.attention_fn = fn
 
-    def forward(self, x, timesteps, context, num_tokens=None, attention_mask=None, transformer_options={}, **kwargs):
+    def forward(self, x, timesteps, context, num_tokens=None, attention_mask=None, transformer_options={},
+                chunks: Chunks | None = None, tick: Callable[[], None] = lambda: None, **kwargs):
+        """``tick()`` runs between blocks (and between pieces with ``chunks``): an interrupt check."""
         # attention_mask is ignored, as ComfyUI v0.20 does for Z-Image: pad tokens are attended.
         cfg, p = self.cfg, self.cfg.patch_size
         dev = self.x_pad_token.device
@@ -226,14 +263,22 @@ class ZImageDiT(nn.Module):
         cap_freqs = rope_freqs(cap_ids, cfg.axes_dims, cfg.rope_theta)
         img_freqs = rope_freqs(img_ids, cfg.axes_dims, cfg.rope_theta)
         for i, layer in enumerate(self.context_refiner):
-            cap = layer(cap, cap_freqs, None, self.refiner(f"context_refiner.{i}"))
+            cap = layer(cap, cap_freqs, None, self.refiner(f"context_refiner.{i}"), chunks)
+            tick()
         for i, layer in enumerate(self.noise_refiner):
-            img = layer(img, img_freqs, t, self.refiner(f"noise_refiner.{i}"))
+            img = layer(img, img_freqs, t, self.refiner(f"noise_refiner.{i}"), chunks)
+            tick()
 
         xs = torch.cat((cap, img), dim=1)
         freqs = torch.cat((cap_freqs, img_freqs), dim=1)
         follows = bool(self.runner.n_streamed) and another_forward_follows(transformer_options)
-        xs = self.runner.run_layers(xs, lambda i, y, big: self.layers[i](y, freqs, t, big), next_forward=follows)
+
+        def layer(i, y, big):
+            y = self.layers[i](y, freqs, t, big, chunks)
+            tick()
+            return y
+
+        xs = self.runner.run_layers(xs, layer, next_forward=follows)
 
         out = self.final_layer(xs, t)[:, n_cap:n_cap + n_img]
         out = out.view(bs, ht, wt, p, p, -1).permute(0, 5, 1, 3, 2, 4).flatten(4, 5).flatten(2, 3)

@@ -19,6 +19,7 @@ from .streamer import PackLayout, residency_order
 MiB = 1 << 20
 GiB = 1 << 30
 RESERVE = 384 * MiB  # cuBLAS workspaces, allocator rounding, the CUDA graphs of other code
+HOST_RESERVE = GiB   # what a forward on the CPU leaves to the rest of the machine
 
 
 @dataclass
@@ -36,18 +37,28 @@ class Plan:
     device_bytes: int
     pinned_host_bytes: int
     fits: bool
+    on_cpu: bool = False           # computed on the CPU: every layer in host memory, RAM is the limit
+    needed_bytes: int = 0          # the least this size needs (with every layer streamed, on a GPU)
+    largest_fitting: tuple | None = None  # (width, height) of the same shape that fits, when this does not
 
     def as_dict(self):
         return asdict(self)
 
     def summary(self) -> str:
         n = self.resident_layers + self.streamed_layers
+        size = f"{self.width}x{self.height}{'' if self.batch == 1 else f', batch {self.batch}'}"
+        memory = "RAM" if self.on_cpu else "GPU memory"
         if not self.fits:
-            return (f"Z-Image: does not fit: {_gib(self.free_bytes)} free, needs at least "
-                    f"{_gib(self.fixed_bytes + self.activation_bytes + self.layer_bytes + RESERVE)} "
-                    f"at {self.width}x{self.height}")
-        return (f"Z-Image: {self.resident_layers} of {n} layers on the GPU, {self.streamed_layers} streamed "
-                f"({self.width}x{self.height}{'' if self.batch == 1 else f', batch {self.batch}'})")
+            if self.largest_fitting:
+                w, h = self.largest_fitting
+                hint = f"Try {w}x{h}{' or a smaller batch' if self.batch > 1 else ''} or free {memory}"
+            else:
+                hint = f"Free {memory}: not even the smallest image fits"
+            return (f"Z-Image: {size} does not fit: it needs at least {_gib(self.needed_bytes)} of {memory}, "
+                    f"this {'machine' if self.on_cpu else 'card'} has {_gib(self.free_bytes)} free. {hint}.")
+        if self.on_cpu:
+            return f"Z-Image: on the CPU, all {n} layers in host memory ({size})"
+        return f"Z-Image: {self.resident_layers} of {n} layers on the GPU, {self.streamed_layers} streamed ({size})"
 
 
 def device_free_bytes(device) -> int:
@@ -62,17 +73,58 @@ def _gib(b):
 
 
 def activation_bytes(cfg: ZImageConfig, width, height, batch=1, cap_tokens=512,
-                     dtype=torch.bfloat16, storage=torch.bfloat16) -> int:
+                     dtype=torch.bfloat16, storage=torch.bfloat16, chunk_rows=None, chunk_queries=None) -> int:
     """Peak activation memory of one forward, per token of the joint sequence: seven
     model-wide tensors (residual, normed and modulated input, q, k, v and their contiguous
     copies for the attention kernel) and three FFN-wide ones (w1 and w3 outputs, their
     product), plus the fp32 rotary tables; an upcast copy of the largest weight for narrow
-    storage comes on top. Measured on an H200: 118 KB per token, as this formula gives."""
+    storage comes on top. Measured on an H200: 118 KB per token, as this formula gives.
+    Run in pieces (``chunk_rows`` / ``chunk_queries``, see ``model.Chunks``), the FFN-wide
+    tensors exist for one piece at a time; the model-wide ones are counted twelve times (the
+    projection's pieces beside their concatenation), plus one attention piece's scores in fp32."""
     tokens = cfg.image_tokens(width, height) + cap_tokens + (-cap_tokens) % cfg.pad_multiple
     e = dtype.itemsize
-    per_token = (7 * cfg.dim + 3 * cfg.ffn_dim) * e + cfg.head_dim * 2 * 4 * 2
+    rope = cfg.head_dim * 2 * 4 * 2
     upcast = cfg.ffn_dim * cfg.dim * e if storage.itemsize < e else 0
-    return batch * tokens * per_token + upcast + 64 * MiB
+    if chunk_rows is None:
+        per_token = (7 * cfg.dim + 3 * cfg.ffn_dim) * e + rope
+        return batch * tokens * per_token + upcast + 64 * MiB
+    pieces = min(chunk_rows, tokens) * 3 * cfg.ffn_dim * e + min(chunk_queries, tokens) * tokens * cfg.n_heads * 4
+    return batch * (tokens * (12 * cfg.dim * e + rope) + pieces) + upcast + 64 * MiB
+
+
+def _largest_fitting(width, height, fits) -> tuple | None:
+    """The largest (width, height) of the same shape, sides multiples of 16, for which ``fits``."""
+    lo, hi, best = 1, max(width, height) // 16, None
+    while lo <= hi:  # bisect on the longer side, in steps of 16
+        k = (lo + hi) // 2
+        w, h = _scaled(width, height, 16 * k / max(width, height))
+        if fits(w, h):
+            best, lo = (w, h), k + 1
+        else:
+            hi = k - 1
+    return best
+
+
+def _scaled(width, height, s):
+    return max(16, round(width * s / 16) * 16), max(16, round(height * s / 16) * 16)
+
+
+def plan_host(cfg: ZImageConfig, free_bytes: int, width: int, height: int, batch: int = 1,
+              dtype=torch.float32, chunk_rows=None, chunk_queries=None) -> Plan:
+    """A forward computed on the CPU: the layers are in host memory already, so what must fit in
+    the RAM that is available is the activations (and what the rest of the machine keeps)."""
+    def need(w, h):
+        return activation_bytes(cfg, w, h, batch, dtype=dtype, storage=dtype, chunk_rows=chunk_rows,
+                                chunk_queries=chunk_queries) + HOST_RESERVE
+
+    act = need(width, height) - HOST_RESERVE
+    fits = need(width, height) <= free_bytes
+    n = cfg.n_layers
+    return Plan(width, height, batch, free_bytes, n if fits else 0, 0 if fits else n, 0,
+                PackLayout(cfg, dtype).nbytes, cfg.fixed_params() * dtype.itemsize, act, 0, 0, fits, on_cpu=True,
+                needed_bytes=act + HOST_RESERVE,
+                largest_fitting=None if fits else _largest_fitting(width, height, lambda w, h: need(w, h) <= free_bytes))
 
 
 def simulate_step(n_layers, resident, slots, compute, copy, fixed=0.0, steps=8) -> float:
@@ -137,6 +189,12 @@ def plan(cfg: ZImageConfig, free_bytes: int, width: int, height: int, batch: int
         k = min(k, n - r)
     fits = room >= layer or (room >= 0 and n == 0)
     streamed = n - r
+
+    def need(w, h):  # the least a size needs: everything streamed through one slot
+        return fixed + activation_bytes(cfg, w, h, batch, dtype=dtype, storage=storage) + RESERVE + (layer if n else 0)
+
     pinned = streamed * layer if pinned_cap is None else min(streamed * layer, pinned_cap // layer * layer)
     return Plan(width, height, batch, free_bytes, r if fits else 0, streamed if fits else n, k if fits else 0,
-                layer, fixed, act, fixed + act + (r + k) * layer if fits else 0, pinned, fits)
+                layer, fixed, act, fixed + act + (r + k) * layer if fits else 0, pinned, fits,
+                needed_bytes=need(width, height),
+                largest_fitting=None if fits else _largest_fitting(width, height, lambda w, h: need(w, h) <= free_bytes))

@@ -26,6 +26,7 @@ import math
 import torch
 
 from .config import ZImageConfig
+from .errors import NonFiniteWeights
 from .host_memory import HostPool
 from .model import BigWeights
 
@@ -83,6 +84,13 @@ class PackLayout:
                     t.read_into(dst[row:row + t.shape[0]])
 
 
+def all_finite(t) -> torch.Tensor:
+    """A 0-d bool tensor on ``t``'s device: no NaN or infinity in ``t`` (fp8 e4m3fn has NaN only)."""
+    if t.dtype == torch.float8_e4m3fn:
+        return ((t.view(torch.uint8) & 0x7F) != 0x7F).all()
+    return torch.isfinite(t).all()
+
+
 def device_of(device) -> torch.device:
     """A device with its index: tensors report ``cuda:0``, and comparisons with a bare ``cuda`` fail."""
     device = torch.device(device)
@@ -92,8 +100,10 @@ def device_of(device) -> torch.device:
 
 
 class LayerStreamer:
-    def __init__(self, layout: PackLayout, sources: list, device, pool: HostPool):
-        """``sources[i]`` is layer i's {name: [(row, tensor)]} file pieces."""
+    def __init__(self, layout: PackLayout, sources: list, device, pool: HostPool, check_finite=False):
+        """``sources[i]`` is layer i's {name: [(row, tensor or StoredTensor)]} pieces. With
+        ``check_finite`` every layer's matrices are checked for NaN and infinity the first time they
+        run (on the device, read back once at the end of that forward: ``NonFiniteWeights``)."""
         self.layout, self.device, self.pool = layout, device_of(device), pool
         self.cuda = self.device.type == "cuda"
         self.n_layers = len(sources)
@@ -111,6 +121,9 @@ class LayerStreamer:
         # position ``_queued`` (exclusive)
         self._base = self._queued = 0
         self._staging = None                   # host buffer for uploads of layers without a master
+        self.check_finite = check_finite
+        self._unchecked = set(range(self.n_layers)) if check_finite else set()
+        self._checks = []                      # (layer, {name: 0-d bool on the device}) of this forward
         self.profile = False
         self.copy_events = []                  # (start, end) per upload while profiling
         self.uploads = 0                       # streamed uploads since the last reset
@@ -269,19 +282,43 @@ class LayerStreamer:
             for i in range(self.n_layers):
                 x = layer_fn(i, x, self.begin(i))
                 self.end(i, next_forward)
+            self._verify()
         except BaseException:
             self.drop_queued()  # stopped mid-forward: the next one starts from its first layer
+            self._checks.clear()
             raise
         return x
+
+    def recheck(self, i):
+        """Layer i's weights changed (a patch): check them again when they next run."""
+        if self.check_finite:
+            self._unchecked.add(i)
+
+    def _verify(self):
+        """Read the checks this forward queued (one wait for the device, once per layer ever)."""
+        if not self._checks:
+            return
+        checks, self._checks = self._checks, []
+        flags = torch.stack([f for _, named in checks for f in named.values()]).cpu().tolist()
+        for layer, named in checks:
+            for name in named:
+                if not flags.pop(0):
+                    raise NonFiniteWeights(layer, name)
+            self._unchecked.discard(layer)
 
     def begin(self, i):
         """Layer i's weights, ready for the kernels queued next on the current stream."""
         if i in self.resident:
-            return self.layout.views(self.resident[i])
-        s = (self._base + self._index[i]) % len(self.slots)
-        if self.cuda:
-            torch.cuda.current_stream(self.device).wait_event(self._ready[s])
-        return self.layout.views(self.slots[s])
+            views = self.layout.views(self.resident[i])
+        else:
+            s = (self._base + self._index[i]) % len(self.slots)
+            if self.cuda:
+                torch.cuda.current_stream(self.device).wait_event(self._ready[s])
+            views = self.layout.views(self.slots[s])
+        if i in self._unchecked:
+            named = views._asdict() if isinstance(views, tuple) else views
+            self._checks.append((i, {name: all_finite(v) for name, v in named.items()}))
+        return views
 
     def end(self, i, next_forward=False):
         """Layer i's kernels are queued: its slot is refilled with the streamed layer k places on

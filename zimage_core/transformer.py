@@ -15,21 +15,27 @@ import torch
 from . import planner
 from .checkpoint import Checkpoint
 from .config import ZImageConfig
-from .errors import OutOfDeviceMemory, ZImageError
-from .host_memory import HostPool
-from .model import ZImageDiT
-from .streamer import LayerStreamer, PackLayout
+from .errors import CheckpointError, NonFiniteWeights, OutOfDeviceMemory, ZImageError
+from .host_memory import HostPool, available_ram
+from .model import Chunks, ZImageDiT
+from .streamer import LayerStreamer, PackLayout, all_finite
 
 log = logging.getLogger("zimage")
 
 COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 STORAGE_DTYPES = dict(COMPUTE_DTYPES, fp8_e4m3fn=torch.float8_e4m3fn)
+# On the CPU a block runs in pieces of about this much work, so that an interrupt (checked between
+# pieces) stops a 2048x2048 step within a second or so even on two cores
+CPU_PIECE_FLOPS = 2e10
+
+
+# the five big matrices of a block: layout name -> canonical key inside the block
+_BIG_NAMES = {"qkv": "attention.qkv", "out": "attention.out", "w1": "feed_forward.w1",
+              "w3": "feed_forward.w3", "w2": "feed_forward.w2"}
 
 
 def _layer_pieces(ckpt: Checkpoint, prefix: str) -> dict:
-    names = {"qkv": "attention.qkv", "out": "attention.out", "w1": "feed_forward.w1",
-             "w3": "feed_forward.w3", "w2": "feed_forward.w2"}
-    return {n: ckpt.pieces(f"{prefix}{k}.weight") for n, k in names.items()}
+    return {n: ckpt.pieces(f"{prefix}{k}.weight") for n, k in _BIG_NAMES.items()}
 
 
 class _FixedPart:
@@ -79,7 +85,10 @@ class _FixedPart:
 
 
 class ZImageTransformer(torch.nn.Module):
-    def __init__(self, model: ZImageDiT, streamer: LayerStreamer, ckpt: Checkpoint, fixed: "_FixedPart"):
+    def __init__(self, model: ZImageDiT, streamer: LayerStreamer, ckpt: Checkpoint, fixed: "_FixedPart",
+                 check_interrupt=None):
+        """``check_interrupt()`` raises to stop a forward; it runs between blocks (and, on the CPU,
+        between pieces of a block)."""
         super().__init__()
         self.model, self.streamer, self.ckpt, self.fixed = model, streamer, ckpt, fixed
         self.cfg: ZImageConfig = model.cfg
@@ -95,12 +104,15 @@ class ZImageTransformer(torch.nn.Module):
         self.patches_uuid = None              # id of the weight-patch set (LoRA) now in the weights
         self.patched_keys: set = set()        # canonical keys that set changed (prefixed as patched)
         self._ratio = {}                      # tokens -> measured compute/copy time ratio
+        self._fixed_checked = False           # the fixed part's values were checked where they run
+        self.check_interrupt = check_interrupt or (lambda: None)
         model.runner = streamer
         self.fixed_bytes = fixed.nbytes
         self.ckpt_keys = ckpt.keys()
 
     @classmethod
-    def load(cls, path, device="cuda", dtype="bf16", weight_dtype=None, pinned_cap=None, initial_device=None):
+    def load(cls, path, device="cuda", dtype="bf16", weight_dtype=None, pinned_cap=None, initial_device=None,
+             check_interrupt=None):
         """``device`` computes; the fixed part starts on ``initial_device`` (default: ``device``),
         e.g. the CPU for a model that ComfyUI moves to the GPU when it is used."""
         if dtype not in COMPUTE_DTYPES:
@@ -133,14 +145,14 @@ class ZImageTransformer(torch.nn.Module):
                     model.add_refiner(f"{stem}.{i}", flat)
             pool = HostPool(pinned_cap, pin=dev.type == "cuda")
             streamer = LayerStreamer(layout, [_layer_pieces(ckpt, f"layers.{i}.") for i in range(cfg.n_layers)],
-                                     dev, pool)
+                                     dev, pool, check_finite=True)
             fixed = _FixedPart(model, pool)
             streamer.pin()
             if streamer.pinned_layers < cfg.n_layers:
                 log.warning("Z-Image: %d of %d layers fit under the pinned-memory cap of %.1f GiB; the rest "
                             "are read from the file at every upload (slower when they stream).",
                             streamer.pinned_layers, cfg.n_layers, pool.cap / planner.GiB)
-            t = cls(model, streamer, ckpt, fixed)
+            t = cls(model, streamer, ckpt, fixed, check_interrupt)
             if home == dev:
                 t.to_device()
             return t
@@ -191,18 +203,35 @@ class ZImageTransformer(torch.nn.Module):
             torch.cuda.empty_cache()
 
     def free_bytes(self) -> int:
-        """Device memory this model could use: what is free plus its own layers and slots."""
+        """Device memory this model could use: what is free plus its own layers and slots. On the CPU:
+        the RAM that is available (the layers are in it already)."""
         if self.memory_limit is not None:
             return self.memory_limit
         if self.device.type != "cuda":
-            return 1 << 62
+            avail = available_ram()
+            return 1 << 62 if avail is None else avail
         return planner.device_free_bytes(self.device) + self.device_bytes()
 
+    def chunks(self, width, height, batch=1) -> Chunks | None:
+        """On the CPU, blocks run in pieces of about ``CPU_PIECE_FLOPS`` (rows for the projections and
+        the FFN, queries for the attention) with an interrupt check between them; on a GPU, whole."""
+        if self.device.type == "cuda":
+            return None
+        cfg = self.cfg
+        tokens = batch * (cfg.image_tokens(width, height) + 512)
+        rows = int(CPU_PIECE_FLOPS / (2 * batch * cfg.dim * max(3 * cfg.dim, cfg.ffn_dim)))
+        queries = int(CPU_PIECE_FLOPS / (4 * batch * tokens * cfg.dim))
+        return Chunks(max(32, rows // 32 * 32), max(16, queries // 16 * 16), self.check_interrupt)
+
     def make_plan(self, width, height, batch=1, free_bytes=None) -> planner.Plan:
-        tokens = self.cfg.image_tokens(width, height) * batch
-        if tokens not in self._ratio and self.device.type == "cuda":
-            self._ratio[tokens] = self._measure_ratio(tokens)
         free = (self.free_bytes() if free_bytes is None else free_bytes) - self.leave_free
+        if self.device.type != "cuda":
+            c = self.chunks(width, height, batch)
+            return planner.plan_host(self.cfg, free, width, height, batch, dtype=self.dtype,
+                                     chunk_rows=c.rows, chunk_queries=c.queries)
+        tokens = self.cfg.image_tokens(width, height) * batch
+        if tokens not in self._ratio:
+            self._ratio[tokens] = self._measure_ratio(tokens)
         p = planner.plan(self.cfg, free, width, height, batch, storage=self.storage_dtype, dtype=self.dtype,
                          compute_copy_ratio=self._ratio.get(tokens), pinned_cap=self.streamer.pool.cap)
         if self.max_resident is not None and p.fits and p.resident_layers > self.max_resident:
@@ -219,7 +248,7 @@ class ZImageTransformer(torch.nn.Module):
             p.resident_layers, p.streamed_layers = r, self.cfg.n_layers - r
             p.slots = 0 if r == self.cfg.n_layers else max(p.slots, 2)
         elif not p.fits:
-            raise OutOfDeviceMemory(p.summary() + ". Lower the image size or free GPU memory.")
+            raise OutOfDeviceMemory(p.summary())
         self.plan = p
         self._set_split(p.resident_layers, p.slots)
         self._announce()
@@ -237,18 +266,21 @@ class ZImageTransformer(torch.nn.Module):
                 slots = max(slots, 2)
 
     def _announce(self):
-        """The one-line status, once per change of split or image size."""
+        """The one-line status, once per change of split or image size: to the callback when one is
+        set (a node shows it, in the console too), else to the log."""
         n, r = self.cfg.n_layers, self.streamer.n_resident
         size = ""
         if self.plan:
             size = f" ({self.plan.width}x{self.plan.height}{'' if self.plan.batch == 1 else f', batch {self.plan.batch}'})"
-        msg = f"Z-Image: {r} of {n} layers on the GPU, {n - r} streamed{size}"
+        if self.device.type != "cuda":
+            msg = (f"Z-Image: on the CPU, all {n} layers in host memory{size}" if r == n else
+                   f"Z-Image: on the CPU, {r} of {n} layers kept, {n - r} streamed from host memory{size}")
+        else:
+            msg = f"Z-Image: {r} of {n} layers on the GPU, {n - r} streamed{size}"
         if msg == self._last_status:
             return
         self._last_status = msg
-        log.info(msg)
-        if self.on_split_change:
-            self.on_split_change(msg)
+        (self.on_split_change or log.info)(msg)
 
     def evict(self, nbytes: int) -> int:
         """Free at least ``nbytes`` of device memory: trailing layers first, then the slots, then
@@ -277,8 +309,7 @@ class ZImageTransformer(torch.nn.Module):
     def _big_slot(self, key):
         """(layer index or refiner name, matrix name) for a big matrix's canonical key, else None."""
         parts = key.split(".")
-        names = {"attention.qkv": "qkv", "attention.out": "out", "feed_forward.w1": "w1",
-                 "feed_forward.w3": "w3", "feed_forward.w2": "w2"}
+        names = {v: k for k, v in _BIG_NAMES.items()}
         if len(parts) == 5 and parts[4] == "weight" and ".".join(parts[2:4]) in names:
             owner = int(parts[1]) if parts[0] == "layers" else f"{parts[0]}.{parts[1]}"
             return owner, names[".".join(parts[2:4])]
@@ -324,12 +355,14 @@ class ZImageTransformer(torch.nn.Module):
             for target in self.fixed.views(key if slot is None else slot[0].replace(".", "_")):
                 region = target if slot is None else self.streamer.layout.region(target, slot[1])
                 region.copy_(value)
+            self._fixed_checked = False
             return
         owner, name = slot
         layout = self.streamer.layout
         self.streamer.synchronize()
         self.streamer.drop_queued()  # a slot may hold the old weights, uploaded ahead
         self.streamer.ensure_host(owner)
+        self.streamer.recheck(owner)
         layout.region(self.streamer.host[owner], name).copy_(value)
         if owner in self.streamer.resident:
             layout.region(self.streamer.resident[owner], name).copy_(value)
@@ -372,10 +405,18 @@ class ZImageTransformer(torch.nn.Module):
         if self.plan is None or (self.plan.width, self.plan.height, self.plan.batch) != (
                 x.shape[-1] * 8, x.shape[-2] * 8, x.shape[0]) or not (self.streamer.n_resident or self.streamer.slots):
             self.prepare(x.shape[-1] * 8, x.shape[-2] * 8, x.shape[0])
+        if not self._fixed_checked:
+            self._check_fixed()
+        chunks = self.chunks(x.shape[-1] * 8, x.shape[-2] * 8, x.shape[0])
         while True:
             try:
                 self._check_budget(x)
-                return self.model(x, timesteps, context, num_tokens, attention_mask, transformer_options, **kw)
+                return self.model(x, timesteps, context, num_tokens, attention_mask, transformer_options,
+                                  chunks=chunks, tick=self.check_interrupt, **kw)
+            except NonFiniteWeights as e:
+                raise CheckpointError(self.ckpt.path, f"has NaN or infinite values in layers.{e.layer}."
+                                      f"{_BIG_NAMES[e.name]}.weight.",
+                                      "The file is damaged: download it again.") from None
             except torch.OutOfMemoryError:
                 if not self.streamer.evict_one():
                     raise OutOfDeviceMemory(
@@ -385,6 +426,22 @@ class ZImageTransformer(torch.nn.Module):
                     torch.cuda.empty_cache()
                 log.warning("Z-Image: out of memory during a step; evicted a layer and retrying.")
                 self._announce()
+
+    def _check_fixed(self):
+        """Every tensor outside the streamed layers is finite, checked once where it runs (on the
+        GPU: one reduction each and one read of the results)."""
+        tensors = list(self.model.named_parameters())
+        for name, flat in self.model.named_buffers():  # the refiners' packed matrices (not their padding)
+            block = name.replace("_refiner_", "_refiner.")
+            tensors += [(f"{block}.{_BIG_NAMES[k]}.weight", v) for k, v in self.model.layout.views(flat)._asdict().items()]
+        names = [name for name, _ in tensors]
+        flags = [all_finite(t) for _, t in tensors]
+        ok = torch.stack(flags).cpu()
+        if not bool(ok.all()):
+            bad = names[int((~ok).nonzero()[0])]
+            raise CheckpointError(self.ckpt.path, f"has NaN or infinite values in {bad}.",
+                                  "The file is damaged: download it again.")
+        self._fixed_checked = True
 
     def _check_budget(self, x):
         if self.memory_limit is None:
