@@ -45,3 +45,29 @@ def test_offload_frees_the_device_and_comes_back_identical(tiny_file):
     assert m.device_bytes() == 0 and torch.cuda.memory_allocated() < before
     assert torch.equal(euler_sample(m, x.cuda(), ctx.cuda(), steps=2), out)
     m.release()
+
+
+def test_layers_past_the_pinned_cap_are_read_from_the_file_identically(tiny_file):
+    """No pinned master: every upload reads the file into staging, and the bits are the same."""
+    m = ZImageTransformer.load(tiny_file, device="cuda", dtype="bf16", pinned_cap=0)
+    assert m.streamer.pinned_layers == 0
+    x, _, ctx = inputs(TINY, width=128, height=96)
+    m.prepare(128, 96, resident_layers=TINY.n_layers)
+    ref = euler_sample(m, x.cuda(), ctx.cuda(), steps=3)
+    m.prepare(128, 96, resident_layers=1)
+    assert torch.equal(euler_sample(m, x.cuda(), ctx.cuda(), steps=3), ref)
+    m.release()
+
+
+@pytest.mark.parametrize("resident", [0, TINY.n_layers])
+def test_non_finite_weights_are_named_on_cuda(tmp_path, resident):
+    from test_reliability import _with_nan
+    from zimage_core.errors import CheckpointError
+    for key in ("layers.3.attention.qkv.weight", "context_refiner.0.feed_forward.w2.weight", "x_pad_token"):
+        path = _with_nan(tmp_path, key)
+        m = ZImageTransformer.load(path, device="cuda", dtype="bf16")
+        m.prepare(64, 48, resident_layers=resident)
+        x, t, ctx = inputs(TINY)
+        with pytest.raises(CheckpointError, match=key.replace(".", r"\.")):
+            m(x.cuda(), t.cuda(), ctx.cuda())
+        m.release()
