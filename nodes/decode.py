@@ -6,7 +6,8 @@ import torch
 from comfy_api.latest import io
 
 from ..zimage_core import comfy as zcomfy
-from .status import node_id, show
+from .checks import finite_latent
+from .status import aliases, node_id, show
 
 log = logging.getLogger("zimage")
 # Measured peak of the Flux AE decoder: about 2.2 KB per output pixel in bf16, 4.4 KB in fp32
@@ -41,13 +42,15 @@ class ZImageDecode(io.ComfyNode):
     def define_schema(cls):
         return io.Schema(
             node_id="ZImageDecode",
-            display_name="Z-Image Decode",
+            display_name="Z-Image Decode (streaming)",
             category="Z-Image",
             description="Full VAE decode on the GPU, making room by evicting transformer layers. Falls back to a "
                         "tiled decode (with a warning) only when even an emptied GPU cannot hold it.",
-            inputs=[io.Vae.Input("vae"), io.Latent.Input("samples")],
+            inputs=[io.Vae.Input("vae", tooltip="The Flux VAE: a VAELoader with ae.safetensors."),
+                    io.Latent.Input("samples", tooltip="The latent from Z-Image Sampler (streaming) or a KSampler.")],
             outputs=[io.Image.Output()],
             hidden=[io.Hidden.unique_id],
+            **aliases("vae decode"),
         )
 
     @classmethod
@@ -55,6 +58,7 @@ class ZImageDecode(io.ComfyNode):
         latent = samples["samples"]
         if latent.ndim == 5:
             latent = latent[:, :, 0]
+        finite_latent(latent, "The latent to decode holds NaN or infinity: the image would be black")
         try:
             return io.NodeOutput(decode_full(vae, latent))
         except mm.OOM_EXCEPTION:

@@ -1,7 +1,7 @@
 from comfy_api.latest import io
 
 from ..zimage_core import comfy as zcomfy
-from .status import node_id, show
+from .status import aliases, node_id, show
 
 
 class ZImageTextEncode(io.ComfyNode):
@@ -9,17 +9,21 @@ class ZImageTextEncode(io.ComfyNode):
     def define_schema(cls):
         return io.Schema(
             node_id="ZImageTextEncode",
-            display_name="Z-Image Text Encode",
+            display_name="Z-Image Text Encode (streaming)",
             category="Z-Image",
-            description="Encodes a prompt with Qwen3-4B (CLIPLoader, type lumina2) in Z-Image's chat template. "
-                        "The text encoder runs on the GPU with its layers streamed from pinned memory, so it "
-                        "needs about 1 GB there and the transformer stays loaded.",
+            description="Encodes a prompt with Qwen3-4B (CLIPLoader, type lumina2) in Z-Image's chat template, "
+                        "on the GPU. Where the whole encoder does not fit beside the transformer, its layers "
+                        "stream from pinned memory and it needs 0.56 GiB there, so the transformer stays loaded.",
             inputs=[
-                io.Clip.Input("clip"),
-                io.String.Input("text", multiline=True, dynamic_prompts=True),
+                io.Clip.Input("clip", tooltip="The text encoder: a CLIPLoader with qwen_3_4b.safetensors and "
+                                              "type lumina2."),
+                io.String.Input("text", multiline=True, dynamic_prompts=True,
+                                tooltip="What the image shows. Plain sentences work best; Z-Image-Turbo needs "
+                                        "no negative prompt."),
             ],
             outputs=[io.Conditioning.Output()],
             hidden=[io.Hidden.unique_id],
+            **aliases("clip text encode", "prompt", "qwen"),
         )
 
     @classmethod

@@ -2,47 +2,66 @@ import folder_paths
 from comfy_api.latest import io
 
 from ..zimage_core import comfy as zcomfy
-from .status import node_id, show
+from .checks import number
+from .status import aliases, node_id, show
 
 VRAM_MODES = ["auto", "max_resident_layers", "leave_free_gb"]
+DEFAULT_RESIDENT, DEFAULT_LEAVE_FREE = 30, 0.0
+MAX_LEAVE_FREE = 1024.0
 
 
 class ZImageModelLoader(io.ComfyNode):
+    # resident_layers and leave_free_gb stay two plain widgets, shown in every mode: a DynamicCombo
+    # would rename them (vram.resident_layers) and shift the widget values of saved workflows.
     @classmethod
     def define_schema(cls):
         return io.Schema(
             node_id="ZImageModelLoader",
-            display_name="Load Z-Image Model (streaming)",
+            display_name="Z-Image Model Loader (streaming)",
             category="Z-Image",
             description="Loads a Z-Image-Turbo diffusion model (ComfyUI, official or diffusers layout; bf16, "
-                        "fp16, fp32 or fp8). Leading layers stay on the GPU, trailing ones stream from pinned "
-                        "host memory, and other models get GPU memory by evicting layers.",
+                        "fp16, fp32 or fp8). As many layers as fit stay on the GPU, spread through the stack; "
+                        "the others stream from pinned host memory, and other models get GPU memory by "
+                        "evicting layers.",
             inputs=[
-                io.Combo.Input("unet_name", options=folder_paths.get_filename_list("diffusion_models")),
+                io.Combo.Input("unet_name", options=folder_paths.get_filename_list("diffusion_models"),
+                               tooltip="The Z-Image-Turbo transformer in models/diffusion_models, e.g. "
+                                       "z_image_turbo_bf16.safetensors (or the fp8 export for less RAM)."),
                 io.Combo.Input("weight_dtype", options=["default", "bf16", "fp8_e4m3fn", "fp16", "fp32"],
                                default="default",
                                tooltip="How the layers are kept and streamed. default: as stored (fp8 stays fp8, "
-                                       "the rest in the compute dtype)."),
+                                       "the rest in the compute dtype). fp16 can overflow into black images: "
+                                       "prefer bf16."),
                 io.Combo.Input("vram", options=VRAM_MODES, default="auto",
                                tooltip="auto: as many layers on the GPU as fit the image being made. "
-                                       "max_resident_layers: never more than the number below. "
-                                       "leave_free_gb: plan as if this much GPU memory belonged to others."),
-                io.Int.Input("resident_layers", default=30, min=0, max=64,
-                             tooltip="With max_resident_layers: the most layers kept on the GPU."),
-                io.Float.Input("leave_free_gb", default=0.0, min=0.0, max=1024.0, step=0.5,
-                               tooltip="With leave_free_gb: GPU memory the plan leaves untouched."),
+                                       "max_resident_layers: at most resident_layers of them. "
+                                       "leave_free_gb: plan as if leave_free_gb of GPU memory belonged to "
+                                       "others. Each number below is used only in its own mode."),
+                io.Int.Input("resident_layers", default=DEFAULT_RESIDENT, min=0, max=64,
+                             tooltip="Used only with vram = max_resident_layers: the most layers kept on the "
+                                     "GPU (Z-Image-Turbo has 30; 0 streams them all)."),
+                io.Float.Input("leave_free_gb", default=DEFAULT_LEAVE_FREE, min=0.0, max=MAX_LEAVE_FREE, step=0.5,
+                               tooltip="Used only with vram = leave_free_gb: GiB of GPU memory the plan leaves "
+                                       "untouched, for other programs or models."),
             ],
             outputs=[io.Model.Output()],
             hidden=[io.Hidden.unique_id],
+            **aliases("zimage", "z image turbo", "load diffusion model", "unet loader", "low vram", "block swap"),
         )
 
     @classmethod
     def execute(cls, unet_name, weight_dtype, vram, resident_layers, leave_free_gb):
+        number("leave_free_gb", leave_free_gb, 0.0, MAX_LEAVE_FREE, "GiB of GPU memory to leave free; 0 leaves none")
         path = folder_paths.get_full_path_or_raise("diffusion_models", unet_name)
         model = zcomfy.load_model(path, weight_dtype=weight_dtype,
                                   max_resident=resident_layers if vram == "max_resident_layers" else None,
                                   leave_free_gib=leave_free_gb if vram == "leave_free_gb" else 0.0)
         t = model.zimage
-        show(node_id(cls), f"Z-Image: {unet_name}: {t.cfg.n_layers} layers, "
-                           f"{t.streamer.pinned_layers} pinned in host memory")
+        held = f"{t.streamer.pinned_layers} pinned in host memory" if t.streamer.cuda else "in host memory (CPU)"
+        text = f"Z-Image: {unet_name}: {t.cfg.n_layers} layers, {held}"
+        for name, value, default, mode in (("resident_layers", resident_layers, DEFAULT_RESIDENT, "max_resident_layers"),
+                                           ("leave_free_gb", leave_free_gb, DEFAULT_LEAVE_FREE, "leave_free_gb")):
+            if vram != mode and value != default:  # set but not used: say so rather than ignore it silently
+                text += f"; {name} {value} is not used with vram {vram} (only with vram {mode})"
+        show(node_id(cls), text)
         return io.NodeOutput(model)

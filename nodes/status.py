@@ -1,7 +1,12 @@
-"""The one-line status a node shows while it works, in the console and on the node."""
+"""What a node shows the user: the one-line status while it works (console and node), and the
+words the node library's search finds it by."""
+import dataclasses
 import logging
 
+from comfy_api.latest import io
+
 log = logging.getLogger("zimage")
+COMMON_ALIASES = ("zimage", "z image", "z-image turbo", "streaming", "low vram")
 
 
 def show(node_id, text):
@@ -16,3 +21,11 @@ def show(node_id, text):
 def node_id(cls):
     """The executing node's id; None when a node's execute is called outside a prompt (scripts)."""
     return getattr(cls.hidden, "unique_id", None) if cls.hidden is not None else None
+
+
+def aliases(*words):
+    """Schema keywords for search aliases, where this ComfyUI's schema has them (v0.20 and later;
+    v0.8's Schema refuses the keyword)."""
+    if "search_aliases" not in {f.name for f in dataclasses.fields(io.Schema)}:
+        return {}
+    return {"search_aliases": [*COMMON_ALIASES, *words]}
