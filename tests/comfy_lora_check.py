@@ -126,7 +126,7 @@ for name, (sd, merged) in variants.items():
     r = {"not_loaded": list(not_loaded), "vs_native": rel(out, run(n)), "changed": rel(out, base_out)}
     for k, delta in merged.items():  # base + merged weights, computed here
         reference.set_weight(k, reference.base_weight(k) + strength * delta)
-    reference.prepare(80, 64, resident_layers=cfg.n_layers)
+    reference.prepare(80, 64, resident_layers=cfg.n_blocks)
     ref_out = reference(x, sigma, ctx, 7).float()
     r["vs_merged"] = rel(out, x - ref_out * sigma)  # apply_model returns the denoised latent
     for k in merged:

@@ -30,7 +30,7 @@ def test_matches_comfyui_nextdit(tmp_path, tiny_file, dtype, limit):
     ref = comfy_output(tmp_path, tiny_file, x, t, ctx, dtype)
     m = ZImageTransformer.load(tiny_file, device="cpu", dtype=dtype)
     try:
-        for resident in (TINY.n_layers, 1):
+        for resident in (TINY.n_blocks, 1):
             m.prepare(80, 64, 2, resident_layers=resident)
             out = m(x, t, ctx).float()
             assert out.shape == ref.shape

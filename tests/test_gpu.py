@@ -16,9 +16,9 @@ def test_streamed_equals_resident_on_cuda(tiny_file, dtype):
     m = ZImageTransformer.load(tiny_file, device="cuda", dtype=dtype)
     assert m.streamer.host[-1].is_pinned()
     x, _, ctx = inputs(TINY, width=128, height=96)
-    m.prepare(128, 96, resident_layers=TINY.n_layers)
+    m.prepare(128, 96, resident_layers=TINY.n_blocks)
     ref = euler_sample(m, x.cuda(), ctx.cuda(), steps=4)
-    for r in range(TINY.n_layers):
+    for r in range(TINY.n_blocks):
         for slots in (1, 2, 3):
             m.streamer.configure(r, slots)
             out = euler_sample(m, x.cuda(), ctx.cuda(), steps=4)
@@ -52,14 +52,14 @@ def test_layers_past_the_pinned_cap_are_read_from_the_file_identically(tiny_file
     m = ZImageTransformer.load(tiny_file, device="cuda", dtype="bf16", pinned_cap=0)
     assert m.streamer.pinned_layers == 0
     x, _, ctx = inputs(TINY, width=128, height=96)
-    m.prepare(128, 96, resident_layers=TINY.n_layers)
+    m.prepare(128, 96, resident_layers=TINY.n_blocks)
     ref = euler_sample(m, x.cuda(), ctx.cuda(), steps=3)
     m.prepare(128, 96, resident_layers=1)
     assert torch.equal(euler_sample(m, x.cuda(), ctx.cuda(), steps=3), ref)
     m.release()
 
 
-@pytest.mark.parametrize("resident", [0, TINY.n_layers])
+@pytest.mark.parametrize("resident", [0, TINY.n_blocks])
 def test_non_finite_weights_are_named_on_cuda(tmp_path, resident):
     from test_reliability import _with_nan
     from zimage_core.errors import CheckpointError

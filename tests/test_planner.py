@@ -7,6 +7,7 @@ import sys
 import pytest
 import torch
 
+from conftest import TINY
 from zimage_core.config import FULL
 from zimage_core.planner import plan, simulate_step
 
@@ -22,7 +23,7 @@ def test_resident_layers_fall_as_the_image_grows():
 def test_resident_layers_rise_with_memory():
     counts = [plan(FULL, int(g * GiB), 1024, 1024).resident_layers for g in (5.5, 7.5, 9.5, 11.5, 16, 40)]
     assert counts == sorted(counts) and counts[0] < counts[-1]
-    assert counts[-1] == FULL.n_layers
+    assert counts[-1] == FULL.n_blocks
     whole = plan(FULL, 40 * GiB, 1024, 1024)
     assert whole.streamed_layers == 0 and whole.slots == 0 and whole.pinned_host_bytes == 0
 
@@ -32,7 +33,7 @@ def test_plan_fits_its_memory():
         for s in (1024, 2048):
             p = plan(FULL, int(g * GiB), s, s)
             assert p.fits and p.device_bytes <= p.free_bytes
-            assert p.resident_layers + p.streamed_layers == FULL.n_layers
+            assert p.resident_layers + p.streamed_layers == FULL.n_blocks
             assert p.slots >= 2
 
 
@@ -65,8 +66,8 @@ def test_spread_resident_layers_need_fewer_slots_than_a_block():
     copy engine busy; spread out, two do, and the memory goes to resident layers."""
     p = plan(FULL, int(5.5 * GiB), 1024, 1024, compute_copy_ratio=0.57)
     assert p.slots == 2 and p.resident_layers >= 6
-    streamed = FULL.n_layers - p.resident_layers
-    assert simulate_step(FULL.n_layers, p.resident_layers, p.slots, 0.57, 1.0, fixed=1.2) < streamed + 0.5
+    streamed = FULL.n_blocks - p.resident_layers
+    assert simulate_step(FULL.n_blocks, p.resident_layers, p.slots, 0.57, 1.0, fixed=1.2) < streamed + 0.5
 
 
 def _cli(*args):
@@ -80,7 +81,7 @@ def test_plan_command():
     p = json.loads(r.stdout)
     for key in ("resident_layers", "streamed_layers", "device_bytes", "pinned_host_bytes"):
         assert key in p
-    assert p["resident_layers"] + p["streamed_layers"] == 30
+    assert p["resident_layers"] + p["streamed_layers"] == FULL.n_blocks
     text = _cli("plan", "--vram-gib", "7.5")
     assert text.returncode == 0 and "layers on the GPU" in text.stdout and "pinned host bytes" in text.stdout
     bad = _cli("plan", "--vram-gib", "8", "--width", "1000")
@@ -92,7 +93,7 @@ def test_bench_command_on_cpu(tiny_file):
              "--resident-layers", "1", "--resident", "--json", "--device", "cpu")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
-    assert out["resident_layers"] == 1 and out["streamed_layers"] == 3
+    assert out["resident_layers"] == 1 and out["streamed_layers"] == TINY.n_blocks - 1
     assert out["output_sha256"] == out["resident_output_sha256"]
     assert out["streamed_bytes_per_step"] > 0
 

@@ -27,23 +27,23 @@ def _run(m, resident, **kw):
 
 
 def test_every_split_is_bit_identical(model):
-    ref = _run(model, TINY.n_layers)
+    ref = _run(model, TINY.n_blocks)
     assert model.streamer.slots == []
     assert torch.isfinite(ref).all() and ref.abs().sum() > 0
-    for r in range(TINY.n_layers):
+    for r in range(TINY.n_blocks):
         out = _run(model, r)
         assert model.streamer.slots, "streamed layers need slots"
         assert torch.equal(out, ref), f"{r} resident layers differ from all resident"
 
 
 def test_batch_and_odd_sizes(model):
-    ref = _run(model, TINY.n_layers, width=80, height=48, batch=2, cap=5)
+    ref = _run(model, TINY.n_blocks, width=80, height=48, batch=2, cap=5)
     assert ref.shape == (2, 16, 6, 10)
     assert torch.equal(_run(model, 1, width=80, height=48, batch=2, cap=5), ref)
 
 
 def test_slot_count_does_not_change_bits(model):
-    ref = _run(model, TINY.n_layers)
+    ref = _run(model, TINY.n_blocks)
     for slots in (1, 2, 3):
         model.streamer.configure(0, slots)
         x, t, ctx = inputs(TINY)
@@ -51,34 +51,34 @@ def test_slot_count_does_not_change_bits(model):
 
 
 def test_evict_and_promote_keep_output(model):
-    ref = _run(model, TINY.n_layers)
+    ref = _run(model, TINY.n_blocks)
     x, t, ctx = inputs(TINY)
     layer = model.streamer.layout.nbytes
     freed = model.evict(2 * layer)
     assert freed >= 2 * layer - layer  # eviction may add slots for the first streamed layer
-    assert model.streamer.n_resident < TINY.n_layers
+    assert model.streamer.n_resident < TINY.n_blocks
     assert torch.equal(model(x, t, ctx), ref)
-    model.prepare(64, 48, resident_layers=TINY.n_layers)  # memory came back: promote
-    assert model.streamer.n_resident == TINY.n_layers
+    model.prepare(64, 48, resident_layers=TINY.n_blocks)  # memory came back: promote
+    assert model.streamer.n_resident == TINY.n_blocks
     assert torch.equal(model(x, t, ctx), ref)
 
 
 def test_sampling_is_identical_streamed_and_resident(model):
     x, _, ctx = inputs(TINY)
-    model.prepare(64, 48, resident_layers=TINY.n_layers)
+    model.prepare(64, 48, resident_layers=TINY.n_blocks)
     ref = euler_sample(model, x, ctx, steps=3)
     model.prepare(64, 48, resident_layers=1)
     model.streamer.uploads = 0
     assert torch.equal(euler_sample(model, x, ctx, steps=3), ref)
     # each step's layers once: the first two steps queue the next one's first layers, the last none
-    assert model.streamer.uploads == 3 * (TINY.n_layers - 1)
+    assert model.streamer.uploads == 3 * (TINY.n_blocks - 1)
 
 
 def test_out_of_memory_evicts_and_retries(tiny_file):
     m = ZImageTransformer.load(tiny_file, device="cpu", dtype="fp32")
     try:
         x, t, ctx = inputs(TINY)
-        m.prepare(64, 48, resident_layers=TINY.n_layers)
+        m.prepare(64, 48, resident_layers=TINY.n_blocks)
         ref = m(x, t, ctx)
         splits = []
         m.on_split_change = splits.append
@@ -88,17 +88,17 @@ def test_out_of_memory_evicts_and_retries(tiny_file):
         assert m.streamer.n_resident == 0
         # a budget that holds two resident layers less than all of them
         m.memory_limit = None
-        m.prepare(64, 48, resident_layers=TINY.n_layers)
+        m.prepare(64, 48, resident_layers=TINY.n_blocks)
         layer = m.streamer.layout.nbytes
         from zimage_core import planner
         act = planner.activation_bytes(TINY, 64, 48, 1, dtype=torch.float32, storage=torch.float32)
         fixed = TINY.fixed_params() * 4
-        m.memory_limit = fixed + act + (TINY.n_layers - 1) * layer
+        m.memory_limit = fixed + act + (TINY.n_blocks - 1) * layer
         splits.clear()
         out = m(x, t, ctx)
         assert torch.equal(out, ref)
-        assert 0 < m.streamer.n_resident < TINY.n_layers
-        assert m.streamer.device_bytes <= (TINY.n_layers - 1) * layer
+        assert 0 < m.streamer.n_resident < TINY.n_blocks
+        assert m.streamer.device_bytes <= (TINY.n_blocks - 1) * layer
         assert splits and "streamed" in splits[-1]
     finally:
         m.release()
@@ -114,7 +114,7 @@ def test_pinned_cap_and_release(tiny_file):
     assert all(m.streamer.host[i] is not None for i in last[:2]) and all(m.streamer.host[i] is None for i in last[2:])
     assert host_memory.live_bytes() - before == 2 * layer
     x, t, ctx = inputs(TINY)
-    m.prepare(64, 48, resident_layers=TINY.n_layers)
+    m.prepare(64, 48, resident_layers=TINY.n_blocks)
     ref = m(x, t, ctx)
     m.prepare(64, 48, resident_layers=0)  # layers past the cap stream from the mapped file
     assert torch.equal(m(x, t, ctx), ref)
@@ -131,12 +131,12 @@ def test_fp8_storage_streams_and_matches_upcast_weights(tmp_path):
     assert m.streamer.layout.nbytes * 2 == ZImageTransformer.load(path, device="cpu", dtype="bf16",
                                                                   weight_dtype="bf16").streamer.layout.nbytes
     x, t, ctx = inputs(TINY)
-    m.prepare(64, 48, resident_layers=TINY.n_layers)
+    m.prepare(64, 48, resident_layers=TINY.n_blocks)
     ref = m(x, t, ctx)
     m.prepare(64, 48, resident_layers=0)
     assert torch.equal(m(x, t, ctx), ref)
     up = ZImageTransformer.load(path, device="cpu", dtype="bf16", weight_dtype="bf16")
-    up.prepare(64, 48, resident_layers=TINY.n_layers)
+    up.prepare(64, 48, resident_layers=TINY.n_blocks)
     assert torch.equal(up(x, t, ctx), ref)
 
 
@@ -159,7 +159,7 @@ def test_dropping_a_model_releases_its_host_buffers(tiny_file):
 def test_set_weight_reaches_resident_and_streamed_layers_and_restores(tiny_file):
     m = ZImageTransformer.load(tiny_file, device="cpu", dtype="fp32")
     x, t, ctx = inputs(TINY)
-    m.prepare(64, 48, resident_layers=TINY.n_layers)
+    m.prepare(64, 48, resident_layers=TINY.n_blocks)
     base = m(x, t, ctx)
     keys = ["layers.0.attention.qkv.weight", f"layers.{TINY.n_layers - 1}.feed_forward.w2.weight",
             "noise_refiner.0.feed_forward.w1.weight", "x_embedder.weight"]
@@ -172,7 +172,7 @@ def test_set_weight_reaches_resident_and_streamed_layers_and_restores(tiny_file)
     for k in keys:
         m.set_weight(k, m.base_weight(k))
     assert torch.equal(m(x, t, ctx), base)
-    m.prepare(64, 48, resident_layers=TINY.n_layers)
+    m.prepare(64, 48, resident_layers=TINY.n_blocks)
     assert torch.equal(m(x, t, ctx), base)
     shapes = m.state_dict()
     assert shapes["layers.0.attention.qkv.weight"].is_meta and shapes["x_embedder.weight"].device.type == "cpu"
@@ -227,7 +227,7 @@ def test_set_weight_reaches_a_layer_uploaded_ahead(tiny_file):
     m = ZImageTransformer.load(tiny_file, device="cpu", dtype="fp32")
     x, t, ctx = inputs(TINY)
     key = "layers.1.feed_forward.w1.weight"
-    m.prepare(64, 48, resident_layers=TINY.n_layers)
+    m.prepare(64, 48, resident_layers=TINY.n_blocks)
     m.set_weight(key, m.base_weight(key) * 1.5)
     patched = m(x, t, ctx)
     m.set_weight(key, m.base_weight(key))

@@ -147,7 +147,7 @@ def _run(model, dev, width, height, steps, seed, resident_layers, resident, cap_
     if dev.type == "cuda":
         result["measured_activation_bytes"] = torch.cuda.max_memory_allocated(dev) - held
     if resident:
-        model.prepare(width, height, resident_layers=cfg.n_layers)
+        model.prepare(width, height, resident_layers=cfg.n_blocks)
         euler_sample(model, noise, ctx, steps=1)
         out_r, times_r = _timed_steps(model, noise, ctx, steps)
         result["resident_median_step_s"] = statistics.median(times_r[1:] or times_r)

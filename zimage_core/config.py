@@ -47,12 +47,22 @@ class ZImageConfig:
     def big_layer_params(self) -> int:
         return sum(a * b for a, b in self.big_shapes.values())
 
+    @property
+    def n_blocks(self) -> int:
+        """Blocks whose big matrices stream: the refiners (context, then noise) and the main layers."""
+        return self.n_layers + 2 * self.n_refiner_layers
+
+    def block_names(self) -> list:
+        """Every streamable block's key prefix, in the order a forward runs them."""
+        r = range(self.n_refiner_layers)
+        return ([f"context_refiner.{i}" for i in r] + [f"noise_refiner.{i}" for i in r]
+                + [f"layers.{i}" for i in range(self.n_layers)])
+
     def fixed_params(self) -> int:
-        """Everything that is never streamed: refiners, embedders, final layer, pad tokens,
-        and the norms and adaLN of every main layer."""
+        """Everything that is never streamed: embedders, final layer, pad tokens, and the norms
+        and adaLN of every block."""
         d = self.dim
-        n = self.n_refiner_layers * (2 * self.big_layer_params() + self.small_layer_params(True)
-                                     + self.small_layer_params(False))
+        n = self.n_refiner_layers * (self.small_layer_params(True) + self.small_layer_params(False))
         n += self.n_layers * self.small_layer_params(True)
         n += d * self.in_channels * self.patch_size ** 2 + d  # x_embedder
         n += self.t_hidden * self.t_dim + self.t_hidden + self.t_dim * self.t_hidden + self.t_dim
@@ -61,7 +71,7 @@ class ZImageConfig:
         return n + 2 * d  # pad tokens
 
     def total_params(self) -> int:
-        return self.fixed_params() + self.n_layers * self.big_layer_params()
+        return self.fixed_params() + self.n_blocks * self.big_layer_params()
 
 
 FULL = ZImageConfig()

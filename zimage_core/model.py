@@ -197,10 +197,9 @@ class _FinalLayer(nn.Module):
 
 
 class ZImageDiT(nn.Module):
-    """Small parameters live here. The big block matrices of the refiners are packed buffers
-    registered here (always resident, moved with the module); those of the main layers come
-    from a runner (``run_layers(x, layer_fn, next_forward)``, ``n_streamed``) that owns residency
-    and streaming."""
+    """Small parameters live here. The big matrices of every block (context refiners, noise
+    refiners, main layers, in that order) come from a runner (``run_layers(x, layer_fn, blocks,
+    next_forward)``, ``n_streamed``) that owns residency and streaming."""
 
     def __init__(self, cfg: ZImageConfig, dtype=torch.bfloat16):
         super().__init__()
@@ -215,13 +214,6 @@ class ZImageDiT(nn.Module):
         self.x_pad_token = nn.Parameter(torch.empty(1, cfg.dim))
         self.cap_pad_token = nn.Parameter(torch.empty(1, cfg.dim))
         self.runner = None
-        self.layout = None  # PackLayout of the refiner buffers, set by the loader
-
-    def add_refiner(self, name, flat):
-        self.register_buffer(name.replace(".", "_"), flat, persistent=False)
-
-    def refiner(self, name) -> BigWeights:
-        return self.layout.views(getattr(self, name.replace(".", "_")))
 
     def set_attention(self, fn):
         for block in self.modules():
@@ -262,23 +254,22 @@ class ZImageDiT(nn.Module):
 
         cap_freqs = rope_freqs(cap_ids, cfg.axes_dims, cfg.rope_theta)
         img_freqs = rope_freqs(img_ids, cfg.axes_dims, cfg.rope_theta)
-        for i, layer in enumerate(self.context_refiner):
-            cap = layer(cap, cap_freqs, None, self.refiner(f"context_refiner.{i}"), chunks)
-            tick()
-        for i, layer in enumerate(self.noise_refiner):
-            img = layer(img, img_freqs, t, self.refiner(f"noise_refiner.{i}"), chunks)
-            tick()
-
-        xs = torch.cat((cap, img), dim=1)
-        freqs = torch.cat((cap_freqs, img_freqs), dim=1)
+        r = cfg.n_refiner_layers
         follows = bool(self.runner.n_streamed) and another_forward_follows(transformer_options)
 
-        def layer(i, y, big):
-            y = self.layers[i](y, freqs, t, big, chunks)
-            tick()
-            return y
+        def stage(blocks, first, freqs, adaln):
+            def run(i, y, big):
+                y = blocks[i - first](y, freqs, adaln, big, chunks)
+                tick()
+                return y
+            return run
 
-        xs = self.runner.run_layers(xs, layer, next_forward=follows)
+        cap = self.runner.run_layers(cap, stage(self.context_refiner, 0, cap_freqs, None), range(0, r))
+        img = self.runner.run_layers(img, stage(self.noise_refiner, r, img_freqs, t), range(r, 2 * r))
+        xs = torch.cat((cap, img), dim=1)
+        freqs = torch.cat((cap_freqs, img_freqs), dim=1)
+        xs = self.runner.run_layers(xs, stage(self.layers, 2 * r, freqs, t), range(2 * r, cfg.n_blocks),
+                                    next_forward=follows)
 
         out = self.final_layer(xs, t)[:, n_cap:n_cap + n_img]
         out = out.view(bs, ht, wt, p, p, -1).permute(0, 5, 1, 3, 2, 4).flatten(4, 5).flatten(2, 3)

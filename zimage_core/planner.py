@@ -1,10 +1,11 @@
 """How many main layers stay on the GPU for a given free memory and image size.
 
-Device memory = fixed part (refiners, embedders, norms, adaLN) + resident layers + slots +
-activations. Slots cost as much as resident layers, so their number is chosen by simulating
-a run of steps: uploads can only run ahead of compute by as many layers as there are slots, and
-a few more slots let the copy engine work through the stretches without streamed layers (the
-refiners at the start of each step, resident layers) instead of idling. Without a compute/copy
+Device memory = fixed part (embedders, norms, adaLN, final layer) + resident layers + slots +
+activations, where the layers are every block with big matrices: the refiners and the main
+layers. Slots cost as much as resident layers, so their number is chosen by simulating a run of
+steps: uploads can only run ahead of compute by as many layers as there are slots, and a few more
+slots let the copy engine work through the stretches without streamed layers (resident layers,
+the embedders and the sampler between steps) instead of idling. Without a compute/copy
 estimate two slots are used (classic double buffering).
 """
 from __future__ import annotations
@@ -120,7 +121,7 @@ def plan_host(cfg: ZImageConfig, free_bytes: int, width: int, height: int, batch
 
     act = need(width, height) - HOST_RESERVE
     fits = need(width, height) <= free_bytes
-    n = cfg.n_layers
+    n = cfg.n_blocks
     return Plan(width, height, batch, free_bytes, n if fits else 0, 0 if fits else n, 0,
                 PackLayout(cfg, dtype).nbytes, cfg.fixed_params() * dtype.itemsize, act, 0, 0, fits, on_cpu=True,
                 needed_bytes=act + HOST_RESERVE,
@@ -129,15 +130,16 @@ def plan_host(cfg: ZImageConfig, free_bytes: int, width: int, height: int, batch
 
 def simulate_step(n_layers, resident, slots, compute, copy, fixed=0.0, steps=8) -> float:
     """Mean time of one of ``steps`` consecutive steps with ``resident`` layers resident (spread
-    as the streamer spreads them). Each step computes ``fixed`` (embedders, refiners, final layer,
-    sampler: no streamed weights), then the layers in order, a streamed one only once its upload
-    is done. Uploads run in order on one copy stream, each into the slot its previous user has
-    finished with; the first step's start with it, and every step queues the next one's first
-    uploads behind its last layers."""
+    as the streamer spreads them). ``compute`` is one layer's compute time, or a list of each
+    layer's. Each step computes ``fixed`` (embedders, final layer, sampler: no streamed weights),
+    then the layers in order, a streamed one only once its upload is done. Uploads run in order on
+    one copy stream, each into the slot its previous user has finished with; the first step's
+    start with it, and every step queues the next one's first uploads behind its last layers."""
+    costs = compute if isinstance(compute, (list, tuple)) else [compute] * n_layers
     keep = set(residency_order(n_layers)[:resident])
     streamed = n_layers - len(keep)
     if not streamed:
-        return fixed + n_layers * compute
+        return fixed + sum(costs)
     k = max(min(slots, streamed), 1)
     free, ready, copy_end = [0.0] * k, {}, 0.0
 
@@ -154,15 +156,23 @@ def simulate_step(n_layers, resident, slots, compute, copy, fixed=0.0, steps=8) 
         j = 0
         for i in range(n_layers):
             if i in keep:
-                t += compute
+                t += costs[i]
                 continue
             pos = f * streamed + j
-            t = max(t, ready[pos]) + compute
+            t = max(t, ready[pos]) + costs[i]
             free[pos % k] = t
             if j + k < streamed or f + 1 < steps:
                 upload(pos + k)
             j += 1
     return t / steps
+
+
+def block_costs(cfg: ZImageConfig, width, height, batch=1, cap_tokens=512) -> list:
+    """Each streamable block's compute relative to a main layer's, in the order they run: a
+    context refiner sees the caption's tokens, a noise refiner the image's, a main layer both."""
+    img, cap = cfg.image_tokens(width, height), cap_tokens
+    r = cfg.n_refiner_layers
+    return [cap / (img + cap)] * r + [img / (img + cap)] * r + [1.0] * cfg.n_layers
 
 
 def plan(cfg: ZImageConfig, free_bytes: int, width: int, height: int, batch: int = 1,
@@ -172,7 +182,7 @@ def plan(cfg: ZImageConfig, free_bytes: int, width: int, height: int, batch: int
     fixed = cfg.fixed_params() * dtype.itemsize
     act = activation_bytes(cfg, width, height, batch, dtype=dtype, storage=storage)
     room = free_bytes - fixed - act - RESERVE
-    n = cfg.n_layers
+    n = cfg.n_blocks
     if room >= n * layer:
         r, k = n, 0
     else:
@@ -181,11 +191,9 @@ def plan(cfg: ZImageConfig, free_bytes: int, width: int, height: int, batch: int
         if compute_copy_ratio is None:
             r, k = max(m - 2, 0), min(2, max(m, 1))
         else:
-            img = cfg.image_tokens(width, height)
-            # refiners, final layer and sampler, in layers' worth of compute
-            before = (cfg.n_refiner_layers * img / (img + 512) + 0.25) * compute_copy_ratio
-            r, k = min(options, key=lambda o: (
-                round(simulate_step(n, o[0], o[1], compute_copy_ratio, 1.0, before), 3), -o[0]))
+            costs = [c * compute_copy_ratio for c in block_costs(cfg, width, height, batch)]
+            before = 0.25 * compute_copy_ratio  # embedders, final layer and sampler, in layers' worth
+            r, k = min(options, key=lambda o: (round(simulate_step(n, o[0], o[1], costs, 1.0, before), 3), -o[0]))
         k = min(k, n - r)
     fits = room >= layer or (room >= 0 and n == 0)
     streamed = n - r

@@ -274,15 +274,18 @@ class LayerStreamer:
         for pos in range(max(self._queued, self._base), self._base + k):
             self._queue(pos)
 
-    def run_layers(self, x, layer_fn, next_forward=False):
-        """x -> layer_fn(i, x, BigWeights) for every main layer, streaming the suffix. With
+    def run_layers(self, x, layer_fn, blocks=None, next_forward=False):
+        """x -> layer_fn(i, x, BigWeights) for the layers in ``blocks`` (a range; default all), in
+        order: a forward runs every layer once, in one call or in consecutive ranges. With
         ``next_forward`` (another forward follows with nothing to send to the device first) the
         slots freed by the last layers are refilled with the next forward's first layers."""
+        blocks = range(self.n_layers) if blocks is None else blocks
         try:
-            for i in range(self.n_layers):
+            for i in blocks:
                 x = layer_fn(i, x, self.begin(i))
                 self.end(i, next_forward)
-            self._verify()
+            if blocks and blocks[-1] == self.n_layers - 1:
+                self._verify()
         except BaseException:
             self.drop_queued()  # stopped mid-forward: the next one starts from its first layer
             self._checks.clear()

@@ -39,7 +39,7 @@ def _layer_pieces(ckpt: Checkpoint, prefix: str) -> dict:
 
 
 class _FixedPart:
-    """The never-streamed tensors (embedders, refiners, norms, adaLN) in one host master per dtype,
+    """The never-streamed tensors (embedders, norms, adaLN, final layer) in one host master per dtype,
     pinned when the pool allows, of which the module's parameters and buffers are views until
     ``place(device)`` gives them device copies (``place(None)``: back to the masters, no copy)."""
 
@@ -109,6 +109,7 @@ class ZImageTransformer(torch.nn.Module):
         model.runner = streamer
         self.fixed_bytes = fixed.nbytes
         self.ckpt_keys = ckpt.keys()
+        self.block_index = {name: i for i, name in enumerate(self.cfg.block_names())}
 
     @classmethod
     def load(cls, path, device="cuda", dtype="bf16", weight_dtype=None, pinned_cap=None, initial_device=None,
@@ -137,21 +138,15 @@ class ZImageTransformer(torch.nn.Module):
             model.load_state_dict(state, assign=True)
             model.requires_grad_(False)  # inference only: no autograd graph keeps activations alive
             layout = PackLayout(cfg, storage)
-            model.layout = layout
-            for stem in ("noise_refiner", "context_refiner"):
-                for i in range(cfg.n_refiner_layers):
-                    flat = torch.empty(layout.numel, dtype=storage)
-                    layout.fill(flat, _layer_pieces(ckpt, f"{stem}.{i}."))
-                    model.add_refiner(f"{stem}.{i}", flat)
             pool = HostPool(pinned_cap, pin=dev.type == "cuda")
-            streamer = LayerStreamer(layout, [_layer_pieces(ckpt, f"layers.{i}.") for i in range(cfg.n_layers)],
+            streamer = LayerStreamer(layout, [_layer_pieces(ckpt, f"{name}.") for name in cfg.block_names()],
                                      dev, pool, check_finite=True)
+            streamer.pin()  # the streamed layers need pinned memory most: they take the pool first
             fixed = _FixedPart(model, pool)
-            streamer.pin()
-            if streamer.pinned_layers < cfg.n_layers:
+            if streamer.pinned_layers < cfg.n_blocks:
                 log.warning("Z-Image: %d of %d layers fit under the pinned-memory cap of %.1f GiB; the rest "
                             "are read from the file at every upload (slower when they stream).",
-                            streamer.pinned_layers, cfg.n_layers, pool.cap / planner.GiB)
+                            streamer.pinned_layers, cfg.n_blocks, pool.cap / planner.GiB)
             t = cls(model, streamer, ckpt, fixed, check_interrupt)
             if home == dev:
                 t.to_device()
@@ -160,7 +155,7 @@ class ZImageTransformer(torch.nn.Module):
             if pool is not None:
                 pool.release_all()
             ckpt.close()
-            raise OutOfDeviceMemory(f"{ckpt.path}: the fixed part of the transformer (refiners, embedders, "
+            raise OutOfDeviceMemory(f"{ckpt.path}: the fixed part of the transformer (embedders, "
                                     "norms) does not fit on the GPU. Free GPU memory (close other programs) "
                                     "and try again.") from None
         except BaseException:
@@ -182,14 +177,14 @@ class ZImageTransformer(torch.nn.Module):
     @property
     def total_bytes(self) -> int:
         """Everything this model would hold on the device with every layer resident."""
-        return self.fixed_bytes + self.cfg.n_layers * self.streamer.layout.nbytes
+        return self.fixed_bytes + self.cfg.n_blocks * self.streamer.layout.nbytes
 
     def device_bytes(self) -> int:
         """What this model holds on the device now."""
         return (self.fixed_bytes if self.on_device else 0) + self.streamer.device_bytes
 
     def to_device(self):
-        """Bring the fixed part (embedders, refiners, norms, adaLN) to the compute device: one
+        """Bring the fixed part (embedders, norms, adaLN, final layer) to the compute device: one
         upload from its pinned host master."""
         if not self.on_device:
             self.fixed.place(self.device)
@@ -236,7 +231,7 @@ class ZImageTransformer(torch.nn.Module):
                          compute_copy_ratio=self._ratio.get(tokens), pinned_cap=self.streamer.pool.cap)
         if self.max_resident is not None and p.fits and p.resident_layers > self.max_resident:
             p.resident_layers = self.max_resident
-            p.streamed_layers = self.cfg.n_layers - p.resident_layers
+            p.streamed_layers = self.cfg.n_blocks - p.resident_layers
             p.slots = max(p.slots, 2)
         return p
 
@@ -244,9 +239,9 @@ class ZImageTransformer(torch.nn.Module):
         """Set the split for an image of this size: planned, or forced to ``resident_layers``."""
         p = self.make_plan(width, height, batch, free_bytes)
         if resident_layers is not None:
-            r = max(0, min(resident_layers, self.cfg.n_layers))
-            p.resident_layers, p.streamed_layers = r, self.cfg.n_layers - r
-            p.slots = 0 if r == self.cfg.n_layers else max(p.slots, 2)
+            r = max(0, min(resident_layers, self.cfg.n_blocks))
+            p.resident_layers, p.streamed_layers = r, self.cfg.n_blocks - r
+            p.slots = 0 if r == self.cfg.n_blocks else max(p.slots, 2)
         elif not p.fits:
             raise OutOfDeviceMemory(p.summary())
         self.plan = p
@@ -268,7 +263,7 @@ class ZImageTransformer(torch.nn.Module):
     def _announce(self):
         """The one-line status, once per change of split or image size: to the callback when one is
         set (a node shows it, in the console too), else to the log."""
-        n, r = self.cfg.n_layers, self.streamer.n_resident
+        n, r = self.cfg.n_blocks, self.streamer.n_resident
         size = ""
         if self.plan:
             size = f" ({self.plan.width}x{self.plan.height}{'' if self.plan.batch == 1 else f', batch {self.plan.batch}'})"
@@ -307,12 +302,12 @@ class ZImageTransformer(torch.nn.Module):
     # -- weights by canonical key (LoRA and other weight patches) ------------------------------
 
     def _big_slot(self, key):
-        """(layer index or refiner name, matrix name) for a big matrix's canonical key, else None."""
+        """(streamer block index, matrix name) for a big matrix's canonical key, else None."""
         parts = key.split(".")
         names = {v: k for k, v in _BIG_NAMES.items()}
-        if len(parts) == 5 and parts[4] == "weight" and ".".join(parts[2:4]) in names:
-            owner = int(parts[1]) if parts[0] == "layers" else f"{parts[0]}.{parts[1]}"
-            return owner, names[".".join(parts[2:4])]
+        block = self.block_index.get(".".join(parts[:2]))
+        if len(parts) == 5 and parts[4] == "weight" and ".".join(parts[2:4]) in names and block is not None:
+            return block, names[".".join(parts[2:4])]
         return None
 
     def weight_shapes(self) -> dict:
@@ -348,13 +343,12 @@ class ZImageTransformer(torch.nn.Module):
 
     def set_weight(self, key, value: torch.Tensor):
         """Replace a weight everywhere it lives: host master (packed first if the layer was only
-        file-backed), resident device copy, refiner buffer or parameter. Streamed layers pick the
-        new values up at their next upload."""
+        file-backed), resident device copy, or parameter. Streamed layers pick the new values up
+        at their next upload."""
         slot = self._big_slot(key)
-        if slot is None or isinstance(slot[0], str):  # a parameter or a refiner matrix: the fixed part
-            for target in self.fixed.views(key if slot is None else slot[0].replace(".", "_")):
-                region = target if slot is None else self.streamer.layout.region(target, slot[1])
-                region.copy_(value)
+        if slot is None:  # a parameter: the fixed part
+            for target in self.fixed.views(key):
+                target.copy_(value)
             self._fixed_checked = False
             return
         owner, name = slot
@@ -414,8 +408,8 @@ class ZImageTransformer(torch.nn.Module):
                 return self.model(x, timesteps, context, num_tokens, attention_mask, transformer_options,
                                   chunks=chunks, tick=self.check_interrupt, **kw)
             except NonFiniteWeights as e:
-                raise CheckpointError(self.ckpt.path, f"has NaN or infinite values in layers.{e.layer}."
-                                      f"{_BIG_NAMES[e.name]}.weight.",
+                raise CheckpointError(self.ckpt.path, f"has NaN or infinite values in "
+                                      f"{self.cfg.block_names()[e.layer]}.{_BIG_NAMES[e.name]}.weight.",
                                       "The file is damaged: download it again.") from None
             except torch.OutOfMemoryError:
                 if not self.streamer.evict_one():
@@ -431,9 +425,6 @@ class ZImageTransformer(torch.nn.Module):
         """Every tensor outside the streamed layers is finite, checked once where it runs (on the
         GPU: one reduction each and one read of the results)."""
         tensors = list(self.model.named_parameters())
-        for name, flat in self.model.named_buffers():  # the refiners' packed matrices (not their padding)
-            block = name.replace("_refiner_", "_refiner.")
-            tensors += [(f"{block}.{_BIG_NAMES[k]}.weight", v) for k, v in self.model.layout.views(flat)._asdict().items()]
         names = [name for name, _ in tensors]
         flags = [all_finite(t) for _, t in tensors]
         ok = torch.stack(flags).cpu()

@@ -1,0 +1,124 @@
+"""What a user can produce, against a real ComfyUI server: a model file truncated in place while it
+is loaded, a checkpoint with NaN in it, a size far beyond the machine's RAM through a stock
+KSampler, and an interrupt in the middle of one long step. Each gives a clear error (or stops in
+time), the server lives, and the next good prompt makes its image.
+
+The server runs with ZIMAGE_PINNED_GIB=0, so the transformer's layers are read from the file
+whenever they are loaded: the path that touched a memory mapping (and died of SIGBUS) before.
+"""
+import json
+import os
+import shutil
+import struct
+import time
+
+import pytest
+
+from comfy_env import comfyui_version, needs_comfyui
+from comfy_server import UNET, make_base_dir, server_flags, start_server, stop_server
+from test_comfy_server import messages, node_of, official_template, pack_workflow
+
+pytestmark = needs_comfyui
+
+LIVE = "z_image_live.safetensors"      # a copy the tests truncate and restore
+NAN = "z_image_nan.safetensors"        # a copy with one NaN in a main layer's FFN
+NAN_KEY = "layers.0.feed_forward.w2.weight"
+
+
+def _put_nan(path, key):
+    """Set the middle value of ``key`` (bf16) to NaN, in place."""
+    with open(path, "r+b") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        entry = json.loads(f.read(n))[key]
+        assert entry["dtype"] == "BF16"
+        start, stop = entry["data_offsets"]
+        f.seek(8 + n + start + (stop - start) // 4 * 2)
+        f.write(b"\xc0\x7f")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    base = make_base_dir(str(tmp_path_factory.mktemp("comfy_reliability")))
+    folder = os.path.join(base, "models", "diffusion_models")
+    for name in (LIVE, NAN):
+        shutil.copyfile(os.path.join(folder, UNET), os.path.join(folder, name))
+    _put_nan(os.path.join(folder, NAN), NAN_KEY)
+    client = start_server(base, server_flags(), log_name="comfyui.log", env={"ZIMAGE_PINNED_GIB": "0"})
+    yield client, folder
+    stop_server(client)
+
+
+def _error(client, wf):
+    """Post ``wf``; its execution_error (the prompt must fail, and the server live on)."""
+    pid, _ = client.post(wf)
+    entry = client.wait(pid, 600)
+    assert entry["status"]["status_str"] == "error", entry["status"]
+    err = messages(entry).get("execution_error")
+    assert err is not None, entry["status"]
+    assert client.proc.poll() is None, client.log_tail()
+    print(f"\nComfyUI {comfyui_version()}: {err['node_type']}: {err['exception_message']}")
+    assert "Traceback" not in err["exception_message"]
+    return err
+
+
+def _works(client, **kw):
+    entry = client.run(pack_workflow(**kw))
+    assert entry["status"]["completed"]
+
+
+def test_model_file_truncated_in_place_while_loaded(server):
+    client, folder = server
+    live = os.path.join(folder, LIVE)
+    _works(client, unet=LIVE, prefix="live")
+    size = os.path.getsize(live)
+    os.truncate(live, size // 2)  # what an interrupted re-download leaves behind
+    status, raw, _ = client.request("POST", "/free", {"unload_models": True})
+    assert status == 200, raw
+    err = _error(client, pack_workflow(unet=LIVE, prefix="live_cut", seed=43))
+    msg = err["exception_message"]
+    assert LIVE in msg and ("changed on disk" in msg or "truncated" in msg), msg
+    assert "again" in msg, msg  # what to do
+    _works(client, prefix="after_cut")  # another model, same server
+    shutil.copyfile(os.path.join(folder, UNET), live)  # the download finished
+    _works(client, unet=LIVE, prefix="live_restored", seed=44)
+
+
+def test_checkpoint_with_nan_is_named(server):
+    client, _ = server
+    err = _error(client, pack_workflow(unet=NAN, prefix="nan"))
+    msg = err["exception_message"]
+    assert NAN in msg and NAN_KEY in msg and "NaN" in msg and "download it again" in msg, msg
+    _works(client, prefix="after_nan")
+
+
+def test_a_size_beyond_the_ram_is_refused_with_one_that_fits(server):
+    """8192x8192 through stock nodes with the pack's MODEL (the sampler node caps its sizes)."""
+    client, _ = server
+    wf = official_template(width=8192, height=8192, steps=1, prefix="huge")
+    wf["1"] = {"class_type": "ZImageModelLoader", "inputs": {
+        "unet_name": UNET, "weight_dtype": "default", "vram": "auto", "resident_layers": 30, "leave_free_gb": 0.0}}
+    err = _error(client, wf)
+    msg = err["exception_message"]
+    assert "8192x8192 does not fit" in msg and "RAM" in msg and "Try " in msg, msg
+    _works(client, prefix="after_huge")
+
+
+def test_interrupt_inside_one_large_step(server):
+    """On the CPU one 2048x2048 step of this model takes minutes; an interrupt stops it in pieces."""
+    client, _ = server
+    start = len(client.log_text())
+    pid, _ = client.post(pack_workflow(width=2048, height=2048, steps=1, prefix="large"))
+    end = time.monotonic() + 300
+    while "(2048x2048)" not in client.log_text()[start:]:  # the step has been planned and is running
+        assert time.monotonic() < end, client.log_tail()
+        assert not client.history(pid), client.history(pid)
+        time.sleep(0.2)
+    time.sleep(3)
+    t0 = time.monotonic()
+    client.interrupt()
+    entry = client.wait(pid, 120, poll=0.1)
+    took = time.monotonic() - t0
+    print(f"\nComfyUI {comfyui_version()}: interrupt inside a 2048x2048 step returned after {took:.2f} s")
+    assert "execution_interrupted" in messages(entry), entry["status"]
+    assert took < 2.0
+    _works(client, prefix="after_large")
