@@ -1,3 +1,5 @@
+import os
+
 import folder_paths
 from comfy_api.latest import io
 
@@ -39,7 +41,7 @@ class ZImageModelLoader(io.ComfyNode):
                                        "others. Each number below is used only in its own mode."),
                 io.Int.Input("resident_layers", default=DEFAULT_RESIDENT, min=0, max=64,
                              tooltip="Used only with vram = max_resident_layers: the most layers kept on the "
-                                     "GPU (Z-Image-Turbo has 30; 0 streams them all)."),
+                                     "GPU (Z-Image-Turbo has 34 counting its 4 refiners; 0 streams them all)."),
                 io.Float.Input("leave_free_gb", default=DEFAULT_LEAVE_FREE, min=0.0, max=MAX_LEAVE_FREE, step=0.5,
                                tooltip="Used only with vram = leave_free_gb: GiB of GPU memory the plan leaves "
                                        "untouched, for other programs or models."),
@@ -50,6 +52,16 @@ class ZImageModelLoader(io.ComfyNode):
         )
 
     @classmethod
+    def fingerprint_inputs(cls, unet_name, **_):
+        """The file's size and modification time: a file changed on disk (a finished re-download)
+        is loaded again instead of a cached model reading a file that is no longer its own."""
+        try:
+            st = os.stat(folder_paths.get_full_path_or_raise("diffusion_models", unet_name))
+        except Exception:  # a missing file: execute says so
+            return None
+        return f"{st.st_size}:{st.st_mtime_ns}"
+
+    @classmethod
     def execute(cls, unet_name, weight_dtype, vram, resident_layers, leave_free_gb):
         number("leave_free_gb", leave_free_gb, 0.0, MAX_LEAVE_FREE, "GiB of GPU memory to leave free; 0 leaves none")
         path = folder_paths.get_full_path_or_raise("diffusion_models", unet_name)
@@ -57,8 +69,9 @@ class ZImageModelLoader(io.ComfyNode):
                                   max_resident=resident_layers if vram == "max_resident_layers" else None,
                                   leave_free_gib=leave_free_gb if vram == "leave_free_gb" else 0.0)
         t = model.zimage
-        held = f"{t.streamer.pinned_layers} pinned in host memory" if t.streamer.cuda else "in host memory (CPU)"
-        text = f"Z-Image: {unet_name}: {t.cfg.n_layers} layers, {held}"
+        n = t.cfg.n_blocks
+        held = f"{t.streamer.pinned_layers} of {n} pinned in host memory" if t.streamer.cuda else "in host memory (CPU)"
+        text = f"Z-Image: {unet_name}: {n} layers ({t.cfg.n_layers} main, {n - t.cfg.n_layers} refiners), {held}"
         for name, value, default, mode in (("resident_layers", resident_layers, DEFAULT_RESIDENT, "max_resident_layers"),
                                            ("leave_free_gb", leave_free_gb, DEFAULT_LEAVE_FREE, "leave_free_gb")):
             if vram != mode and value != default:  # set but not used: say so rather than ignore it silently
