@@ -141,6 +141,7 @@ class Browser:
         page = Page(self, session)
         page.send("Page.enable")
         page.send("Runtime.enable")
+        page.send("Network.enable")  # for responses()
         page.send("Emulation.setDeviceMetricsOverride",
                   {"width": width, "height": height, "deviceScaleFactor": 1, "mobile": False})
         return page
@@ -235,6 +236,12 @@ class Page:
         with open(path, "wb") as f:
             f.write(base64.b64decode(data))
         return path
+
+    def responses(self):
+        """(url, HTTP status) of every response this page received so far."""
+        return [(params["response"]["url"], params["response"]["status"])
+                for method, params, session in list(self.browser.events)
+                if session == self.session and method == "Network.responseReceived"]
 
     def console_errors(self):
         """Console errors and uncaught exceptions this page reported so far (text)."""

@@ -268,8 +268,7 @@ def test_template_browser_shows_thumbnails(frontend, page):
         pass  # the checks below say what is shown instead
     shot = page.screenshot(os.path.join(base, "template_browser.png"))
     print(f"\n{shot}")
-    fetched = page.evaluate("performance.getEntriesByType('resource').map(e => "
-                            "[new URL(e.name).pathname, e.responseStatus === undefined ? 200 : e.responseStatus])")
+    fetched = [[urllib.parse.urlsplit(url).path, status] for url, status in page.responses()]
     for name in UI_WORKFLOWS:
         card = card_state(page, name)
         assert card and name in card["text"], card
