@@ -206,6 +206,9 @@ class LayerStreamer:
                 self._ready.append(torch.cuda.Event())
                 self._free.append(torch.cuda.Event())
         for i in sorted(keep - self.resident.keys()):
+            if not self.cuda and self.host[i] is not None:
+                self.resident[i] = self.host[i]  # on the CPU the host master is the layer: no second copy
+                continue
             buf = self._empty()
             self._upload(i, buf)
             self.resident[i] = buf
