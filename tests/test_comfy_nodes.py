@@ -74,6 +74,20 @@ def test_names_and_descriptions(object_info):
     assert "0.56 GiB" in object_info["ZImageTextEncode"]["description"]
     loader = object_info["ZImageModelLoader"]["description"].lower()
     assert "spread through the stack" in loader and "leading" not in loader and "trailing" not in loader
+    if tuple(int(p) for p in comfyui_version().split(".")[:2]) >= (0, 20):  # v0.8 has no search aliases
+        for n in PACK_NODES:
+            assert "zimage" in object_info[n].get("search_aliases", []), object_info[n]
+
+
+@needs_comfyui
+def test_loader_says_when_a_number_is_unused(comfy_server):
+    """resident_layers applies only with vram max_resident_layers: set with auto, the loader says so."""
+    wf = pack_workflow(prefix="unused_number", seed=6)
+    wf[node_of(wf, "ZImageModelLoader")]["inputs"].update(vram="auto", resident_layers=12)
+    log_start = len(comfy_server.log_text())
+    comfy_server.run(wf)
+    assert ("resident_layers 12 is not used with vram auto (only with vram max_resident_layers)"
+            in comfy_server.log_text()[log_start:]), comfy_server.log_tail()
 
 
 def failing_run(server, prompt):
