@@ -1,9 +1,8 @@
 """A real ComfyUI server for the tests: a base directory with this pack in `custom_nodes/`, small
 random weights in `models/`, `main.py --cpu` on a free port, and a small HTTP client.
 
-Use from a test module (tests/conftest.py is not touched):
-
-    from comfy_server import comfy_server  # noqa: F401  (the session fixture)
+The fixtures are registered in tests/conftest.py, so every test module shares one server per
+session (a server with ComfyUI's full-size text encoder holds several GB):
 
     @needs_comfyui
     def test_something(comfy_server):

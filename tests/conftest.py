@@ -9,6 +9,8 @@ sys.path.insert(0, ROOT)
 
 from zimage_core.config import ZImageConfig  # noqa: E402
 from zimage_core.random_weights import write_checkpoint  # noqa: E402
+# the ComfyUI server fixtures, here so that all test modules share one server per session
+from comfy_server import comfy_base_dir, comfy_server  # noqa: E402,F401
 
 # Small enough for a CPU, the real structure otherwise (head_dim 128, axes 32/48/48, t_dim 256).
 TINY = ZImageConfig(dim=256, n_layers=4, n_refiner_layers=1, n_heads=2, ffn_dim=768, cap_feat_dim=64,

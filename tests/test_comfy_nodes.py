@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from comfy_env import comfyui_version, needs_comfyui
-from comfy_server import comfy_base_dir, comfy_server  # noqa: F401  (fixtures)
 from test_comfy_server import PACK_NODES, messages, node_of, object_info, pack_workflow  # noqa: F401
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

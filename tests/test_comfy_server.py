@@ -13,7 +13,7 @@ import time
 import pytest
 
 from comfy_env import comfyui_version, needs_comfyui
-from comfy_server import TE, UNET, VAE, comfy_base_dir, comfy_server  # noqa: F401  (fixtures)
+from comfy_server import TE, UNET, VAE
 
 pytestmark = needs_comfyui
 
