@@ -119,7 +119,8 @@ def _plan(a):
         print(f"  activation estimate  {g(p.activation_bytes)}")
         print(f"  fixed part           {g(p.fixed_bytes)}")
         print(f"  device bytes         {g(p.device_bytes)}")
-        print(f"  pinned host bytes    {g(p.pinned_host_bytes)}")
+        print(f"  pinned host bytes    {g(p.pinned_host_bytes)} (the streamed layers)")
+        print(f"  smallest card        {g(p.needed_bytes)} free at {p.width}x{p.height} (every layer streamed)")
     if not p.fits:
         sys.exit(DOES_NOT_FIT)
 
