@@ -247,3 +247,15 @@ def test_file_changed_after_loading_is_an_error_not_a_crash(tmp_path, tiny_file)
         t(x, ts, ctx)
     t.release()
     assert host_memory.live_bytes() == before
+
+
+@pytest.mark.parametrize("extra", ["scaled_fp8", "layers.0.feed_forward.w1.scale_weight",
+                                   "layers.0.attention.qkv.weight_scale"])
+def test_scaled_fp8_exports_are_refused(tmp_path, reference, extra):
+    """Their weights are only right times a scale this loader does not apply: refused, not run wrong."""
+    shapes = expected_shapes(TINY)
+    entries = [(k, s, torch.float8_e4m3fn, lambda k=k: reference[k]) for k, s in shapes.items()]
+    entries.append((extra, (1,), torch.float32, lambda: torch.ones(1)))
+    p = tmp_path / "scaled.safetensors"
+    write_safetensors(str(p), entries)
+    _expect(p, "scaled (quantized) export", extra, "bf16 file")

@@ -203,6 +203,14 @@ class Checkpoint:
 
     def _validate(self):
         want = expected_shapes(self.config)
+        # scaled / mixed fp8 exports keep a scale beside each quantized weight: read without it,
+        # the weights are wrong by that factor and the image is garbage, so they are refused
+        scaled = sorted(k for k in self._index if k not in want and ("scale" in k or "comfy_quant" in k))
+        if scaled:
+            raise CheckpointError(self.path, f"is a scaled (quantized) export: it has {len(scaled)} scale "
+                                             f"tensor(s) such as {scaled[0]}, which this loader does not apply.",
+                                  "Use the bf16 file or a plain fp8 e4m3fn export (no scales), or ComfyUI's "
+                                  "own UNETLoader for this file.")
         missing = [k for k in want if k not in self._index]
         if missing:
             shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
