@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from comfy_env import comfyui_version, needs_comfyui
-from test_comfy_server import PACK_NODES, messages, node_of, object_info, pack_workflow  # noqa: F401
+from test_comfy_server import PACK_NODES, failing_run, messages, node_of, object_info, pack_workflow  # noqa: F401
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NAN, INF = float("nan"), float("inf")
@@ -88,15 +88,6 @@ def test_loader_says_when_a_number_is_unused(comfy_server):
     assert ("resident_layers 12 is not used with vram auto (only with vram max_resident_layers)"
             in comfy_server.log_text()[log_start:]), comfy_server.log_tail()
 
-
-def failing_run(server, prompt):
-    """Post a prompt that must fail in a node: (execution_error message data, the node's id)."""
-    pid, _ = server.post(prompt)
-    entry = server.wait(pid, 300)
-    assert entry["status"]["status_str"] == "error", entry["status"]
-    err = messages(entry).get("execution_error")
-    assert err is not None, entry["status"]
-    return err
 
 
 def assert_one_line(err, node_type, *words):

@@ -81,6 +81,19 @@ def messages(entry):
     return {event: data for event, data in entry["status"].get("messages", [])}
 
 
+def failing_run(server, prompt, timeout=600):
+    """Post a prompt that must fail in a node: its execution_error data. The error is one message,
+    not a traceback, and the server lives on."""
+    pid, _ = server.post(prompt)
+    entry = server.wait(pid, timeout)
+    assert entry["status"]["status_str"] == "error", entry["status"]
+    err = messages(entry).get("execution_error")
+    assert err is not None, entry["status"]
+    assert "Traceback" not in err["exception_message"], err["exception_message"]
+    assert server.proc.poll() is None, server.log_tail()
+    return err
+
+
 @pytest.fixture(scope="session")
 def object_info(comfy_server):
     return comfy_server.get("/object_info")
