@@ -1,6 +1,7 @@
-"""Main layers: some resident on the device, spread through the stack, the others streamed.
+"""Layers (every block with big matrices: the refiners and the main layers, in the order a forward
+runs them): some resident on the device, spread through the stack, the others streamed.
 
-Every main layer's five big matrices have one host master: a packed buffer (pinned on CUDA,
+Every layer's five big matrices have one host master: a packed buffer (pinned on CUDA,
 taken from a ``HostPool``) or, past the pinning cap, the file itself, read into a staging buffer
 for each upload. The first
 ``n_resident`` layers of ``residency_order`` also have a packed device buffer; the others are
