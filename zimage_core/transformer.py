@@ -202,15 +202,17 @@ class ZImageTransformer(torch.nn.Module):
         the RAM that is available (the layers are in it already)."""
         if self.memory_limit is not None:
             return self.memory_limit
-        if self.device.type != "cuda":
+        if self.device.type == "cpu":
             avail = available_ram()
             return 1 << 62 if avail is None else avail
+        if self.device.type != "cuda":  # a device whose free memory torch does not report
+            return 1 << 62
         return planner.device_free_bytes(self.device) + self.device_bytes()
 
     def chunks(self, width, height, batch=1) -> Chunks | None:
         """On the CPU, blocks run in pieces of about ``CPU_PIECE_FLOPS`` (rows for the projections and
         the FFN, queries for the attention) with an interrupt check between them; on a GPU, whole."""
-        if self.device.type == "cuda":
+        if self.device.type != "cpu":
             return None
         cfg = self.cfg
         tokens = batch * (cfg.image_tokens(width, height) + 512)
@@ -220,12 +222,12 @@ class ZImageTransformer(torch.nn.Module):
 
     def make_plan(self, width, height, batch=1, free_bytes=None) -> planner.Plan:
         free = (self.free_bytes() if free_bytes is None else free_bytes) - self.leave_free
-        if self.device.type != "cuda":
+        if self.device.type == "cpu":
             c = self.chunks(width, height, batch)
             return planner.plan_host(self.cfg, free, width, height, batch, dtype=self.dtype,
                                      chunk_rows=c.rows, chunk_queries=c.queries)
         tokens = self.cfg.image_tokens(width, height) * batch
-        if tokens not in self._ratio:
+        if tokens not in self._ratio and self.device.type == "cuda":
             self._ratio[tokens] = self._measure_ratio(tokens)
         p = planner.plan(self.cfg, free, width, height, batch, storage=self.storage_dtype, dtype=self.dtype,
                          compute_copy_ratio=self._ratio.get(tokens), pinned_cap=self.streamer.pool.cap)
@@ -267,7 +269,7 @@ class ZImageTransformer(torch.nn.Module):
         size = ""
         if self.plan:
             size = f" ({self.plan.width}x{self.plan.height}{'' if self.plan.batch == 1 else f', batch {self.plan.batch}'})"
-        if self.device.type != "cuda":
+        if self.device.type == "cpu":
             msg = (f"Z-Image: on the CPU, all {n} layers in host memory{size}" if r == n else
                    f"Z-Image: on the CPU, {r} of {n} layers kept, {n - r} streamed from host memory{size}")
         else:
