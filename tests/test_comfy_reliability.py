@@ -1,10 +1,8 @@
-"""What a user can produce, against a real ComfyUI server: a model file truncated in place while it
-is loaded, a checkpoint with NaN in it, a size far beyond the machine's RAM through a stock
-KSampler, and an interrupt in the middle of one long step. Each gives a clear error (or stops in
-time), the server lives, and the next good prompt makes its image.
-
-The server runs with ZIMAGE_PINNED_GIB=0, so the transformer's layers are read from the file
-whenever they are loaded: the path that touched a memory mapping (and died of SIGBUS) before.
+"""What a user can produce, against the session's real ComfyUI server: a model file truncated in
+place while it is loaded, a checkpoint with NaN in it, a size far beyond the machine's RAM through a
+stock KSampler, and an interrupt in the middle of one long step. Each gives a clear error (or stops
+in time), the server lives, and the next good prompt makes its image. (A loaded model reading a
+file changed under it is tests/test_checkpoint.py's: here the loader sees the change first.)
 """
 import json
 import os
@@ -15,7 +13,7 @@ import time
 import pytest
 
 from comfy_env import comfyui_version, needs_comfyui
-from comfy_server import UNET, make_base_dir, server_flags, start_server, stop_server
+from comfy_server import UNET
 from test_comfy_server import failing_run, messages, official_template, pack_workflow
 
 pytestmark = needs_comfyui
@@ -37,15 +35,15 @@ def _put_nan(path, key):
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    base = make_base_dir(str(tmp_path_factory.mktemp("comfy_reliability")))
-    folder = os.path.join(base, "models", "diffusion_models")
+def server(comfy_server, comfy_base_dir):
+    """The session's server, with a copy of the model to truncate and one with a NaN."""
+    folder = os.path.join(comfy_base_dir, "models", "diffusion_models")
     for name in (LIVE, NAN):
         shutil.copyfile(os.path.join(folder, UNET), os.path.join(folder, name))
     _put_nan(os.path.join(folder, NAN), NAN_KEY)
-    client = start_server(base, server_flags(), log_name="comfyui.log", env={"ZIMAGE_PINNED_GIB": "0"})
-    yield client, folder
-    stop_server(client)
+    yield comfy_server, folder
+    for name in (LIVE, NAN):
+        os.remove(os.path.join(folder, name))
 
 
 def _error(client, wf):
