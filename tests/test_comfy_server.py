@@ -256,7 +256,8 @@ def test_api_workflow_other_size(comfy_server):
     for i in range(2):
         assert comfy_server.image(entry, node_of(wf, "SaveImage"), i).size == (160, 96)
     # the one-line status names the split for the image being made
-    status = [line for line in comfy_server.log_text().splitlines() if "layers on the GPU" in line]
+    status = [line for line in comfy_server.log_text().splitlines()
+              if "layers on the GPU" in line or "Z-Image: on the CPU" in line]
     assert status and "(160x96, batch 2)" in status[-1], status[-3:]
 
 
