@@ -70,7 +70,7 @@ class ZImageModelLoader(io.ComfyNode):
                                   leave_free_gib=leave_free_gb if vram == "leave_free_gb" else 0.0)
         t = model.zimage
         n = t.cfg.n_blocks
-        held = f"{t.streamer.pinned_layers} of {n} pinned in host memory" if t.streamer.cuda else "in host memory (CPU)"
+        held = "read from the file as the first image needs them" if t.streamer.cuda else "in host memory (CPU)"
         text = f"Z-Image: {unet_name}: {n} layers ({t.cfg.n_layers} main, {n - t.cfg.n_layers} refiners), {held}"
         for name, value, default, mode in (("resident_layers", resident_layers, DEFAULT_RESIDENT, "max_resident_layers"),
                                            ("leave_free_gb", leave_free_gb, DEFAULT_LEAVE_FREE, "leave_free_gb")):

@@ -143,21 +143,36 @@ def test_unsupported_dtype(tmp_path, reference):
     _expect(p, "x_pad_token", "I32", "not supported")
 
 
-def test_interrupt_while_pinning_leaves_nothing(tmp_path, tiny_file, monkeypatch):
+def test_interrupt_while_packing_masters_leaves_nothing(tmp_path, tiny_file, monkeypatch):
+    """Masters are packed during the first forward; an interrupt there leaves no half-filled master
+    and nothing counted, the next forward is right, and releasing gives everything back."""
+    from conftest import inputs
     from zimage_core import streamer
     calls = {"n": 0}
     real = streamer.PackLayout.fill
 
     def fill(self, flat, pieces):
         calls["n"] += 1
-        if calls["n"] == 4:  # refiners first, then the second main layer being packed
+        if calls["n"] == 4:  # the fourth streamed layer being packed
             raise KeyboardInterrupt
         return real(self, flat, pieces)
 
-    monkeypatch.setattr(streamer.PackLayout, "fill", fill)
+    x, ts, ctx = inputs(TINY)
+    ref_model = ZImageTransformer.load(tiny_file, device="cpu", dtype="fp32")
+    ref_model.prepare(64, 48, resident_layers=TINY.n_blocks)
+    ref = ref_model(x, ts, ctx)
+    ref_model.release()
     before = host_memory.live_bytes()
+    t = ZImageTransformer.load(tiny_file, device="cpu", dtype="fp32")
+    t.prepare(64, 48, resident_layers=0)
+    monkeypatch.setattr(streamer.PackLayout, "fill", fill)
     with pytest.raises(KeyboardInterrupt):
-        ZImageTransformer.load(tiny_file, device="cpu", dtype="fp32")
+        t(x, ts, ctx)
+    monkeypatch.setattr(streamer.PackLayout, "fill", real)
+    assert t.streamer.master_layers == 3
+    assert host_memory.live_bytes() - before == t.fixed_bytes + 3 * t.streamer.layout.nbytes
+    assert torch.equal(t(x, ts, ctx), ref)
+    t.release()
     assert host_memory.live_bytes() == before
 
 

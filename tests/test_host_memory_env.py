@@ -1,4 +1,5 @@
-"""ZIMAGE_PINNED_GIB is checked with a one-line error; the default cap reads the RAM on every system."""
+"""ZIMAGE_PINNED_GIB is checked with a one-line error; the host budget reads the RAM on every system and
+plans it: ComfyUI's RAM-cache headroom stays free, and the transformer's claim is kept for it."""
 import ctypes
 import os
 
@@ -6,7 +7,7 @@ import pytest
 
 from zimage_core import host_memory
 from zimage_core.errors import SettingError, ZImageError
-from zimage_core.host_memory import HostPool
+from zimage_core.host_memory import HostBudget, HostPool, environment_cap
 
 GiB = 1 << 30
 
@@ -14,19 +15,19 @@ GiB = 1 << 30
 @pytest.mark.parametrize("text, gib", [("4", 4), ("10.5", 10.5), (" 2 ", 2), ("0", 0), ("1e-3", 1e-3)])
 def test_pinned_gib_accepts_numbers(monkeypatch, text, gib):
     monkeypatch.setenv("ZIMAGE_PINNED_GIB", text)
-    assert HostPool.environment_cap() == int(gib * GiB)
+    assert environment_cap() == int(gib * GiB)
 
 
 @pytest.mark.parametrize("text", ["", "  "])
 def test_pinned_gib_empty_is_unset(monkeypatch, text):
     monkeypatch.setenv("ZIMAGE_PINNED_GIB", text)
-    assert HostPool.environment_cap() is None
+    assert environment_cap() is None
 
 
 def test_pinned_gib_zero_pins_nothing(monkeypatch):
     monkeypatch.setenv("ZIMAGE_PINNED_GIB", "0")
     pool = HostPool(pin=False)
-    assert pool.cap == 0 and pool.allocate(1, host_memory.torch.uint8) is None
+    assert pool.room() == 0 and pool.allocate(1, host_memory.torch.uint8) is None
 
 
 @pytest.mark.parametrize("text", ["abc", "nan", "NaN", "inf", "-inf", "-1", "-0.5", "4GB", "1,5"])
@@ -40,24 +41,48 @@ def test_pinned_gib_refuses_others(monkeypatch, text):
     assert "\n" not in msg
 
 
-def test_default_cap_linux_reads_meminfo(tmp_path, monkeypatch):
+def fake_meminfo(tmp_path, monkeypatch, total_gib, avail_gib):
     meminfo = tmp_path / "meminfo"
-    meminfo.write_text("MemTotal:       33554432 kB\nMemFree:         1048576 kB\nMemAvailable:   20971520 kB\n")
+    meminfo.write_text(f"MemTotal: {total_gib * 1024 * 1024} kB\nMemFree: 1048576 kB\n"
+                       f"MemAvailable: {avail_gib * 1024 * 1024} kB\n")
     monkeypatch.setattr(host_memory, "MEMINFO", str(meminfo))
-    assert host_memory.default_cap() == 10 * GiB
 
 
-def test_default_cap_without_meminfo_uses_sysconf(tmp_path, monkeypatch):
+@pytest.mark.parametrize("total, headroom", [(16, 2 * GiB), (32, int(3.2 * GiB)), (64, int(6.4 * GiB)),
+                                             (256, 10 * GiB)])
+def test_headroom_is_what_comfyui_keeps_by_default(tmp_path, monkeypatch, total, headroom):
+    """10% of the RAM, at least 2 GB, at most 10 GB: what ComfyUI's RAM-pressure cache keeps."""
+    fake_meminfo(tmp_path, monkeypatch, total, total // 2)
+    assert HostBudget().headroom == headroom
+
+
+def test_the_budget_keeps_the_headroom_and_other_owners_claims(tmp_path, monkeypatch):
+    monkeypatch.delenv("ZIMAGE_PINNED_GIB", raising=False)
+    fake_meminfo(tmp_path, monkeypatch, 32, 28)  # a 32 GB desktop with 28 GiB available
+    b = HostBudget()
+    free = 28 * GiB - int(3.2 * GiB) - host_memory.WORKING_MARGIN
+    assert b.room("text encoder") == free
+    b.claim("transformer", 10 * GiB)  # its streamed layers, from its plan
+    assert b.room("text encoder") == free - 10 * GiB and b.room("transformer") == free
+    b._count("transformer", 4 * GiB)  # what it holds already is in MemAvailable; the rest stays claimed
+    assert b.room("text encoder") == free - 6 * GiB
+    b.claim("transformer", 40 * GiB)
+    assert b.room("text encoder") == 0  # never below zero
+    monkeypatch.setenv("ZIMAGE_PINNED_GIB", "1")
+    assert b.room("transformer") == GiB - host_memory.live_bytes()
+
+
+def test_available_ram_without_meminfo_uses_sysconf(tmp_path, monkeypatch):
     """Other POSIX systems: sysconf's available pages, not a fixed 8 GiB."""
     monkeypatch.setattr(host_memory, "MEMINFO", str(tmp_path / "missing"))
     monkeypatch.setattr(host_memory.sys, "platform", "linux")
     pages = {"SC_AVPHYS_PAGES": 3 * GiB // 4096, "SC_PAGE_SIZE": 4096}
     monkeypatch.setattr(host_memory.os, "sysconf", lambda name: pages[name])
-    assert host_memory.default_cap() == 3 * GiB // 2
+    assert host_memory.available_ram() == 3 * GiB
 
 
-def test_default_cap_windows_uses_global_memory_status(tmp_path, monkeypatch):
-    """Windows has no /proc/meminfo: GlobalMemoryStatusEx's available physical RAM, halved."""
+def test_available_ram_windows_uses_global_memory_status(tmp_path, monkeypatch):
+    """Windows has no /proc/meminfo: GlobalMemoryStatusEx's available and total physical RAM."""
     seen = {}
 
     def global_memory_status_ex(ref):
@@ -73,11 +98,11 @@ def test_default_cap_windows_uses_global_memory_status(tmp_path, monkeypatch):
     monkeypatch.setattr(host_memory, "MEMINFO", str(tmp_path / "missing"))
     monkeypatch.setattr(host_memory.sys, "platform", "win32")
     monkeypatch.setattr(ctypes, "windll", Windll, raising=False)
-    assert host_memory.default_cap() == 12 * GiB
+    assert host_memory.available_ram() == 24 * GiB and host_memory.total_ram() == 32 * GiB
     assert seen["length"] == 64  # MEMORYSTATUSEX's size on Windows, what the call checks
 
 
-def test_default_cap_unreadable_falls_back(tmp_path, monkeypatch):
+def test_unreadable_ram_leaves_the_budget_unbounded(tmp_path, monkeypatch):
     monkeypatch.setattr(host_memory, "MEMINFO", str(tmp_path / "missing"))
     monkeypatch.setattr(host_memory.sys, "platform", "darwin")
 
@@ -85,7 +110,10 @@ def test_default_cap_unreadable_falls_back(tmp_path, monkeypatch):
         raise ValueError(f"unrecognized configuration name {name}")
 
     monkeypatch.setattr(host_memory.os, "sysconf", no_sysconf)
-    assert host_memory.default_cap() == 8 * GiB
+    monkeypatch.delenv("ZIMAGE_PINNED_GIB", raising=False)
+    assert host_memory.available_ram() is None
+    b = HostBudget()
+    assert b.headroom == 2 * GiB and b.room("transformer") > 1 << 40
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/meminfo"), reason="Linux only")

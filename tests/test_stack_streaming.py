@@ -1,5 +1,6 @@
 """Another model run from pinned host masters (``DeviceCopies``: a VAE) and its layer stack streamed
-through slots (``StreamedStack``: a text encoder): same output as the model run whole."""
+through slots (``StreamedStack``: a text encoder): same output as the model run whole, and every
+weight held in host memory once (a tensor that gets a master is pointed at it)."""
 import pytest
 import torch
 
@@ -50,11 +51,24 @@ def addresses(module):
     return {k: v.data_ptr() for k, v in module.state_dict().items()}
 
 
+def values(module):
+    return {k: v.clone() for k, v in module.state_dict().items()}
+
+
+def same_values(module, saved):
+    return all(torch.equal(v, saved[k]) for k, v in module.state_dict().items())
+
+
+def inside(t, buffers):
+    """``t``'s memory lies inside one of ``buffers``."""
+    return any(b.data_ptr() <= t.data_ptr() < b.data_ptr() + b.nbytes for b in buffers if b is not None)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("slots", [1, 2, 3, 5])
 def test_streamed_stack_equals_whole_model(device, slots):
     enc, ids, whole = encoder_and_output(device, seed=0)
-    own = addresses(enc)
+    own = values(enc)
     before = live_bytes()
     stack = StreamedStack(enc, device, HostPool(), slots=slots)
     stack.max_resident = 0  # every layer through the slots, even where the GPU has room for them
@@ -67,9 +81,13 @@ def test_streamed_stack_equals_whole_model(device, slots):
             assert enc.embed.weight.device.type == "cpu"
             assert torch.equal(enc(ids), whole)
             assert torch.equal(enc(ids), whole)
-    # between runs the model is its own again, on the host
-    assert addresses(enc) == own
+    # between runs the model holds its own values on the host, each streamed layer's weights in
+    # its master: one copy in host memory
+    assert same_values(enc, own)
     assert all(p.device.type == "cpu" for p in enc.parameters())
+    masters = stack.streamer.host
+    assert all(h is not None for h in masters)
+    assert all(inside(p, masters) for p in enc.layers.parameters())
     assert stack.device_bytes() == stack.loaded_bytes
     assert stack.unload() == stack.loaded_bytes and stack.device_bytes() == 0
     stack.release()
@@ -126,17 +144,19 @@ def test_a_model_without_a_uniform_stack_is_refused():
 @pytest.mark.parametrize("device", DEVICES)
 def test_device_copies_equal_the_model_and_leave_it_as_it_was(device):
     enc, ids, whole = encoder_and_output(device, seed=2)
-    own = addresses(enc)
+    own = values(enc)
     before = live_bytes()
     pool = HostPool()
     copies = DeviceCopies(module_tensors(enc), device, pool)
     assert copies.loaded_bytes == sum(t.nbytes for t in enc.state_dict().values())
     for _ in range(2):
         with copies.running():
-            assert all(a != own[k] for k, a in addresses(enc).items())
             assert all(v.device == ids.device for v in enc.state_dict().values())
             assert torch.equal(enc(ids), whole)
-        assert addresses(enc) == own
+        # between runs: the model's values, each tensor its master (the only host copy)
+        assert same_values(enc, own) and all(v.device.type == "cpu" for v in enc.state_dict().values())
+        assert all(pool.holds(v) for v in enc.state_dict().values())
+    own_addresses = addresses(enc)
     assert copies.device_bytes() == copies.loaded_bytes
     assert copies.unload() == copies.loaded_bytes and copies.device_bytes() == 0
 
@@ -146,7 +166,7 @@ def test_device_copies_equal_the_model_and_leave_it_as_it_was(device):
     with pytest.raises(KeyboardInterrupt), copies.running():  # loads again, then is interrupted
         enc(ids)
     h.remove()
-    assert addresses(enc) == own
+    assert addresses(enc) == own_addresses and same_values(enc, own)
     copies.release()
     pool.release_all()
     assert live_bytes() == before

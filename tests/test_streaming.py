@@ -104,20 +104,24 @@ def test_out_of_memory_evicts_and_retries(tiny_file):
         m.release()
 
 
-def test_pinned_cap_and_release(tiny_file):
+def test_masters_are_made_at_first_upload_within_the_cap_and_released(tiny_file):
+    """Loading packs no layer; a forward gives streamed layers masters while the cap has room (the
+    first ones to run), reads the rest from the file, and the output is the resident one."""
     from zimage_core.streamer import PackLayout
     layer = PackLayout(TINY, torch.float32).nbytes
+    fixed = TINY.fixed_params() * 4
     before = host_memory.live_bytes()
-    m = ZImageTransformer.load(tiny_file, device="cpu", dtype="fp32", pinned_cap=2 * layer)
-    assert m.streamer.pinned_layers == 2
-    last = m.streamer.order[::-1]  # the layers that stay streamed longest are pinned first
-    assert all(m.streamer.host[i] is not None for i in last[:2]) and all(m.streamer.host[i] is None for i in last[2:])
-    assert host_memory.live_bytes() - before == 2 * layer
+    m = ZImageTransformer.load(tiny_file, device="cpu", dtype="fp32", pinned_cap=fixed + 2 * layer)
+    assert m.streamer.master_layers == 0 and host_memory.live_bytes() - before == fixed
     x, t, ctx = inputs(TINY)
     m.prepare(64, 48, resident_layers=TINY.n_blocks)
     ref = m(x, t, ctx)
-    m.prepare(64, 48, resident_layers=0)  # layers past the cap stream from the mapped file
+    assert m.streamer.master_layers == 0  # resident layers need no host copy
+    m.prepare(64, 48, resident_layers=0)
     assert torch.equal(m(x, t, ctx), ref)
+    assert [i for i, h in enumerate(m.streamer.host) if h is not None] == [0, 1]
+    assert host_memory.live_bytes() - before == fixed + 2 * layer
+    assert torch.equal(m(x, t, ctx), ref)  # masters and file reads again, same bits
     m.release()
     assert host_memory.live_bytes() == before
 

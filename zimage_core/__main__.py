@@ -9,6 +9,7 @@ import sys
 
 import torch
 
+from . import host_memory
 from .config import FULL, ZImageConfig
 from .errors import ZImageError
 
@@ -106,9 +107,12 @@ def _plan(a):
     else:
         sys.exit("error: no CUDA device here: give --vram-gib (the free GPU memory to plan for)")
     storage = torch.float8_e4m3fn if a.fp8 else torch.bfloat16
-    p = planner.plan(FULL, free, a.width, a.height, a.batch, storage=storage)
+    ram = int(a.ram_gib * GiB) if a.ram_gib is not None else host_memory.available_ram()
+    host = None if ram is None else planner.host_room(FULL, ram, storage=storage)
+    p = planner.plan(FULL, free, a.width, a.height, a.batch, storage=storage,
+                     host_room=None if host is None else host.layers)
     if a.json:
-        print(json.dumps(p.as_dict()))
+        print(json.dumps(dict(p.as_dict(), host=None if host is None else host.as_dict())))
     else:
         g = lambda b: f"{b / GiB:.2f} GiB"
         print(p.summary())
@@ -120,6 +124,13 @@ def _plan(a):
         print(f"  fixed part           {g(p.fixed_bytes)}")
         print(f"  device bytes         {g(p.device_bytes)}")
         print(f"  pinned host bytes    {g(p.pinned_host_bytes)} (the streamed layers)")
+        if host is not None:
+            print(f"  host RAM available   {g(host.available)}: ComfyUI keeps {g(host.headroom)} free, a run "
+                  f"needs {g(host.working)}, staging and fixed part {g(host.fixed)}")
+            print(f"  streamed layers      {p.pinned_layers} pinned, {p.file_layers} read from the page cache")
+            left = max(0, host.layers - p.pinned_host_bytes)
+            print(f"  text encoder         {g(left)} left for its pinned layers (all of them: "
+                  f"{g(planner.TEXT_ENCODER_LAYERS_BYTES)}; the rest are read from its file at each prompt)")
         print(f"  smallest card        {g(p.needed_bytes)} free at {p.width}x{p.height} (every layer streamed)")
     if not p.fits:
         sys.exit(DOES_NOT_FIT)
@@ -158,7 +169,12 @@ def _print_bench(r):
     card = f"  card {r['card_gib']} GiB free" if r["card_gib"] else ""
     print(f"{r['device']}{card}  {r['width']}x{r['height']}  {r['steps']} steps")
     print(f"  resident layers     {r['resident_layers']} ({r['streamed_layers']} streamed, {r['slots']} slots)")
-    print(f"  median step         {ms(r['median_step_s'])} (first {ms(r['first_step_s'])})")
+    if "load_s" in r:
+        print(f"  load                {r['load_s']:.2f} s")
+    print(f"  first forward       {r['first_forward_s']:.2f} s (split set, masters packed: "
+          f"{r['pinned_layers']} pinned, {r['file_layers']} from the file)")
+    print(f"  median step         {ms(r['median_step_s'])} (first {ms(r['first_step_s'])}; "
+          f"{r['pin_calls_in_steps']} pin calls)")
     print(f"  compute alone       {ms(r['compute_step_s'])}")
     print(f"  streamed per step   {r['streamed_bytes_per_step'] / 1e9:.2f} GB")
     print(f"  copy bandwidth      {gbs(r['copy_bandwidth_Bps'])} (pinned alone {gbs(r['pinned_bandwidth_Bps'])})")
@@ -187,6 +203,7 @@ def main(argv=None):
                    help=f"image height in pixels, a multiple of 16 up to {MAX_SIDE} (default 1024)")
     p.add_argument("--batch", type=count(1, MAX_BATCH), default=1,
                    help=f"images made at once, 1 to {MAX_BATCH} (default 1)")
+    p.add_argument("--ram-gib", type=gib(), help="host RAM available, in GiB (default: measured)")
     p.add_argument("--fp8", action="store_true", help="plan for an fp8 e4m3fn checkpoint")
     p.add_argument("--json", action="store_true", help="print the plan as one JSON object")
     p.set_defaults(fn=_plan)

@@ -16,6 +16,7 @@ import time
 
 import torch
 
+from . import host_memory
 from .schedule import euler_sample
 from .transformer import ZImageTransformer
 
@@ -92,7 +93,9 @@ def run(weights, width, height, steps=8, seed=0, splits=(None,), device=None, re
     """One result per split (None: planned); the model is loaded once."""
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     with simulated_card(card_gib):
+        t0 = time.perf_counter()
         model = ZImageTransformer.load(weights, device=dev, dtype=dtype)
+        load_s = time.perf_counter() - t0
         try:
             results = [_run(model, dev, width, height, steps, seed, r, resident and i == 0, cap_tokens)
                        for i, r in enumerate(splits)]
@@ -100,6 +103,7 @@ def run(weights, width, height, steps=8, seed=0, splits=(None,), device=None, re
             model.release()
     for r in results:
         r["card_gib"] = card_gib
+    results[0]["load_s"] = load_s
     return results
 
 
@@ -108,9 +112,13 @@ def _run(model, dev, width, height, steps, seed, resident_layers, resident, cap_
     g = torch.Generator().manual_seed(seed)
     noise = torch.randn(1, cfg.in_channels, height // 8, width // 8, generator=g).to(dev)
     ctx = torch.randn(1, cap_tokens, cfg.cap_feat_dim, generator=g).to(dev)
+    t0 = time.perf_counter()
     plan = model.prepare(width, height, resident_layers=resident_layers)
     s = model.streamer
-    euler_sample(model, noise, ctx, steps=1)  # warm-up: kernels, allocator, first uploads
+    euler_sample(model, noise, ctx, steps=1)  # warm-up: kernels, allocator, first uploads, masters packed
+    _sync(dev)
+    first_forward_s = time.perf_counter() - t0
+    pins = host_memory.pin_calls()
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
         held = torch.cuda.memory_allocated(dev)
@@ -138,6 +146,8 @@ def _run(model, dev, width, height, steps, seed, resident_layers, resident, cap_
         "width": width, "height": height, "steps": steps,
         "resident_layers": s.n_resident, "streamed_layers": s.n_streamed, "slots": len(s.slots),
         "planned_free_bytes": plan.free_bytes, "planned_activation_bytes": plan.activation_bytes,
+        "first_forward_s": first_forward_s, "pin_calls_in_steps": host_memory.pin_calls() - pins,
+        "pinned_layers": s.pinned_layers, "file_layers": s.n_streamed - s.master_layers,
         "first_step_s": times[0], "median_step_s": step, "compute_step_s": compute,
         "streamed_bytes_per_step": streamed_bytes,
         "copy_bandwidth_Bps": (s.uploads * s.layout.nbytes / copy_s) if copy_s else None,

@@ -28,7 +28,8 @@ import comfy.supported_models
 from . import planner
 from .checkpoint import Checkpoint
 from .device_copies import DeviceCopies, module_tensors
-from .host_memory import HostPool
+from .config import ZImageConfig
+from .host_memory import BUDGET, HostPool, cache_headroom, total_ram
 from .stack_streaming import StreamedStack, UnsupportedStack
 from .transformer import COMPUTE_DTYPES, STORAGE_DTYPES, ZImageTransformer
 
@@ -211,7 +212,10 @@ def _pinned_patcher(p, root, make_part, what):
     if mine is None:
         try:
             # on the CPU the model's own tensors are the masters: no packed copy
-            pool = HostPool(0 if torch.device(p.load_device).type == "cpu" else None)
+            on_cpu = torch.device(p.load_device).type == "cpu"
+            if not on_cpu:
+                _plan_host_budget(p.load_device)
+            pool = HostPool(what, cap_bytes=0 if on_cpu else None)
             part = make_part(pool)
         except UnsupportedStack as e:
             log.info("Z-Image: the %s runs through ComfyUI's loader: %s", what, e)
@@ -222,6 +226,26 @@ def _pinned_patcher(p, root, make_part, what):
         ref = weakref.ref(mine)
         p.add_callback(comfy.patcher_extension.CallbacksMP.ON_LOAD, lambda *_: ref() and ref().part.unload())
     return mine
+
+
+def _ram_cache_headroom() -> int:
+    """The available RAM ComfyUI's RAM-pressure cache keeps (v0.20+, set for each prompt; its
+    default on this machine otherwise): below it ComfyUI drops cached models."""
+    try:
+        import comfy.memory_management
+    except ImportError:  # v0.8: no RAM-pressure cache
+        return 0
+    return int(getattr(comfy.memory_management, "RAM_CACHE_HEADROOM", 0))
+
+
+def _plan_host_budget(device):
+    """The host budget keeps what ComfyUI keeps free, and, until the transformer plans its own
+    split, expects it to need the masters of the layers a bf16 Z-Image streams at 1024x1024 on
+    this card: a text encoder loaded first leaves them that much RAM."""
+    BUDGET.headroom = max(cache_headroom(total_ram()), _ram_cache_headroom())
+    if "transformer" not in BUDGET.claims and torch.device(device).type == "cuda":
+        p = planner.plan(ZImageConfig(), planner.device_free_bytes(device), 1024, 1024)
+        BUDGET.claim("transformer", (p.streamed_layers + 2) * p.layer_bytes)
 
 
 def _streamed_stack(clip, pool):
@@ -262,7 +286,9 @@ def encode(clip, text):
         try:
             mm.load_models_gpu([streamed.patcher])  # room first, through the model manager
             with streamed.patcher.part.running():
-                return streamed.encode_from_tokens_scheduled(tokens)
+                out = streamed.encode_from_tokens_scheduled(tokens)
+            streamed.patcher.part.pool.report("text encoder")
+            return out
         except torch.OutOfMemoryError:
             if attempt:
                 raise
@@ -299,6 +325,8 @@ def load_model(path, weight_dtype="default", max_resident=None, leave_free_gib=0
     model_config.set_inference_dtype(unet_dtype, manual_cast)
     storage = weight if weight == torch.float8_e4m3fn else compute
     storage_name = {v: k for k, v in STORAGE_DTYPES.items()}[storage]
+    if torch.device(load_device).type == "cuda":
+        _plan_host_budget(load_device)
     # an interrupt is seen between blocks (and, on the CPU, between pieces of one), not only between steps
     t = ZImageTransformer.load(path, device=load_device, dtype=_DTYPE_NAMES[compute], weight_dtype=storage_name,
                                initial_device=offload_device,

@@ -1,7 +1,8 @@
 """Another model's tensors run from pinned host masters: device copies that a run swaps in.
 
 The model is left as it is between runs (its tensors stay wherever its owner keeps them).
-``load()`` makes the masters once (pinned up to the pool's cap) and uploads device copies;
+``load()`` makes the masters once (pinned while the host budget has room; the model's tensors
+then point at them, so host memory holds each weight once) and uploads device copies;
 ``running()`` points the model's parameters and buffers at the copies and back afterwards.
 Unloading drops the copies and copies nothing back, so making room is free, and loading again
 is one upload from pinned memory. Same values, same kernels: the output is the model's own.
@@ -42,12 +43,14 @@ class DeviceCopies:
     def load(self):
         if self._host is None:
             self._host = [self._master(getattr(m, kind)[name]) for m, kind, name in self.entries]
+            for (m, kind, name), t in zip(self.entries, self._host):
+                getattr(m, kind)[name] = torch.nn.Parameter(t, requires_grad=False) if kind == "_parameters" else t
         if self._device is None:
             self._device = [t.to(self.device, non_blocking=True) for t in self._host]
 
     def _master(self, t):
-        """A pinned copy of ``t``, or ``t`` itself past the pool's cap (on the CPU, where the cap is
-        0, the model's own tensors are the masters and the "copies" are those same tensors)."""
+        """A pinned copy of ``t``, or ``t`` itself past the budget (on the CPU, where the pool's cap
+        is 0, the model's own tensors are the masters and the "copies" are those same tensors)."""
         buf = self.pool.allocate(t.numel(), t.dtype)
         if buf is None:
             return copy_source(t)

@@ -1,9 +1,14 @@
-"""Pinned host buffers, counted against a cap and released as a whole.
+"""Host memory the pack holds: one budget for the whole process, and pools that draw on it.
 
 Pinned (page-locked) memory is what lets uploads run at full bus speed and asynchronously,
-but it cannot be swapped: taking too much of it starves the rest of the machine. Every
-pinned byte the pack holds goes through a ``HostPool``; ``live_bytes()`` is the process-wide
-total, which the tests use to check that failures leave nothing behind.
+but it cannot be swapped, and on the machines this pack is for (16-32 GB of RAM) it is the
+first thing to run out. So host RAM is planned like GPU memory: ``BUDGET`` knows how much
+available RAM must stay untouched (ComfyUI's RAM-cache headroom, below which ComfyUI starts
+dropping cached models), which owner expects to need how much soon (the transformer's streamed
+layers, claimed when it plans a split), and what every ``HostPool`` holds. A pool's allocation
+succeeds only within what is left. ``live_bytes()`` is the process-wide total, which the tests
+use to check that failures leave nothing behind, and ``pin_calls()`` counts buffers pinned,
+which the benchmarks use to show that nothing is pinned per image.
 """
 from __future__ import annotations
 
@@ -18,9 +23,14 @@ import torch
 
 from .errors import SettingError
 
+GiB = 1 << 30
 _lock = threading.Lock()
 _live = 0
+_pins = 0
 MEMINFO = "/proc/meminfo"
+# working memory of a run beyond the headroom (latents, the decoded image, ComfyUI's temporaries)
+WORKING_MARGIN = GiB
+log = logging.getLogger("zimage")
 
 
 def live_bytes() -> int:
@@ -28,26 +38,52 @@ def live_bytes() -> int:
     return _live
 
 
+def pin_calls() -> int:
+    """Buffers pinned since the process started."""
+    return _pins
+
+
+def _meminfo(field) -> int | None:
+    try:
+        with open(MEMINFO) as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 def available_ram() -> int | None:
     """Physical RAM available now, or None where it cannot be read. Linux: MemAvailable from
     /proc/meminfo (it counts the page cache the kernel can drop); Windows: GlobalMemoryStatusEx;
     other systems: sysconf's available pages."""
-    try:
-        with open(MEMINFO) as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
+    avail = _meminfo("MemAvailable")
+    if avail is not None:
+        return avail
     if sys.platform == "win32":
-        return _windows_available_ram()
+        status = _windows_memory_status()
+        return None if status is None else status.ullAvailPhys
     try:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):  # not every POSIX system has SC_AVPHYS_PAGES (macOS)
         return None
 
 
-def _windows_available_ram() -> int | None:
+def total_ram() -> int | None:
+    total = _meminfo("MemTotal")
+    if total is not None:
+        return total
+    if sys.platform == "win32":
+        status = _windows_memory_status()
+        return None if status is None else status.ullTotalPhys
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _windows_memory_status():
     import ctypes
 
     class MemoryStatusEx(ctypes.Structure):
@@ -61,16 +97,62 @@ def _windows_available_ram() -> int | None:
     status.dwLength = ctypes.sizeof(status)
     if not ctypes.windll.kernel32.GlobalMemoryStatusEx(ctypes.byref(status)):
         return None
-    return status.ullAvailPhys
+    return status
 
 
-def default_cap() -> int:
-    """Half of the RAM that is available now: the rest of the machine (the text encoder's
-    host copy, ComfyUI, the OS) keeps the other half. 8 GiB where the RAM cannot be read."""
-    avail = available_ram()
-    if avail is None:
-        return 8 << 30
-    return avail // 2
+def cache_headroom(total: int | None) -> int:
+    """The available RAM ComfyUI's RAM-pressure cache keeps by default on a machine with ``total``
+    bytes of RAM: 10% of it, at least 2 GB, at most 10 GB (ComfyUI counts in binary units)."""
+    if total is None:
+        return 2 * GiB
+    return int(min(10 * GiB, max(2 * GiB, total * 0.10)))
+
+
+def environment_cap() -> int | None:
+    """ZIMAGE_PINNED_GIB: the host bytes this process may hold in copies of weights, in all."""
+    text = os.environ.get("ZIMAGE_PINNED_GIB", "").strip()
+    if not text:
+        return None
+    try:
+        gib = float(text)
+    except ValueError:
+        gib = math.nan
+    if not (math.isfinite(gib) and gib >= 0):
+        raise SettingError(f"ZIMAGE_PINNED_GIB is {text!r}: set it to a number of GiB >= 0 (e.g. 4 or 10.5; "
+                           "0 pins nothing), or unset it to let the pack plan host memory from the RAM "
+                           "that is available.")
+    return int(gib * GiB)
+
+
+class HostBudget:
+    """What the pools of this process may still take. ``headroom``: the available RAM that must stay
+    untouched (ComfyUI's RAM-cache headroom; the default is what ComfyUI keeps on this machine).
+    ``claim(owner, nbytes)``: an owner expects to hold ``nbytes`` soon (the transformer's streamed
+    layers, from its plan), so other owners leave that much to it however they come first."""
+
+    def __init__(self):
+        self.headroom = cache_headroom(total_ram())
+        self.claims = {}  # owner -> bytes it expects to hold
+        self.held = {}    # owner -> bytes its pools hold
+
+    def room(self, owner: str) -> int:
+        """Bytes ``owner`` may still allocate."""
+        avail = available_ram()
+        others = sum(max(0, c - self.held.get(o, 0)) for o, c in self.claims.items() if o != owner)
+        room = (1 << 62) if avail is None else avail - self.headroom - WORKING_MARGIN - others
+        cap = environment_cap()
+        if cap is not None:
+            room = min(room, cap - _live)
+        return max(0, room)
+
+    def claim(self, owner: str, nbytes: int):
+        self.claims[owner] = int(nbytes)
+
+    def _count(self, owner, nbytes):
+        self.held[owner] = self.held.get(owner, 0) + nbytes
+
+
+BUDGET = HostBudget()
 
 
 def _host_register(buf) -> bool:
@@ -80,7 +162,7 @@ def _host_register(buf) -> bool:
     return torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), buf.numel() * buf.element_size(), 0) == 0
 
 
-def _release(held: dict, pin: bool):
+def _release(held: dict, pin: bool, owner: str):
     """Unlock the pages of every buffer in ``held`` (data_ptr -> bytes) and uncount them. Runs
     from ``release_all`` or, when a pool is dropped without it, from the pool's finalizer:
     before the buffers' memory is freed, so no freed page stays registered with CUDA."""
@@ -92,64 +174,74 @@ def _release(held: dict, pin: bool):
         with _lock:
             _live -= nbytes
     held.clear()
+    BUDGET._count(owner, -total)
     if total:
-        logging.getLogger("zimage").info("Z-Image: released %.2f GiB of %s host memory", total / (1 << 30),
-                                         "pinned" if pin else "reserved")
+        log.info("Z-Image: released %.2f GiB of %s host memory", total / GiB, "pinned" if pin else "reserved")
 
 
 class HostPool:
-    def __init__(self, cap_bytes: int | None = None, pin: bool | None = None):
-        """``cap_bytes`` None: what ``ZIMAGE_PINNED_GIB`` leaves after the pools already alive (it
-        caps the process), or else half of the RAM available now."""
-        if cap_bytes is None:
-            env = self.environment_cap()
-            cap_bytes = default_cap() if env is None else max(0, env - live_bytes())
-        self.cap = int(cap_bytes)
+    def __init__(self, owner: str = "other", pin: bool | None = None, cap_bytes: int | None = None):
+        """Buffers of one owner (a model), within ``BUDGET`` and, where given, ``cap_bytes``
+        (0: none at all, e.g. where the model's own tensors are the masters). ``pin``: page-lock
+        them (default: where CUDA is)."""
+        environment_cap()  # a malformed setting is refused where the first model loads
+        self.owner = owner
+        self.cap = None if cap_bytes is None else int(cap_bytes)
         self.pin = torch.cuda.is_available() if pin is None else pin
         self.used = 0
         self._held = {}     # data_ptr -> bytes, what is counted (and registered)
         self._buffers = []  # the tensors, kept alive until released
-        weakref.finalize(self, _release, self._held, self.pin)
+        self._reported = (0, 0)
+        weakref.finalize(self, _release, self._held, self.pin, owner)
+
+    def room(self) -> int:
+        room = BUDGET.room(self.owner)
+        return room if self.cap is None else min(room, self.cap - self.used)
 
     def allocate(self, numel: int, dtype: torch.dtype) -> torch.Tensor | None:
-        """A flat host buffer, or None when it would pass the cap or the OS refuses to pin it."""
-        global _live
+        """A flat host buffer, or None when it would pass the budget or the OS refuses to pin it."""
+        global _live, _pins
         nbytes = numel * dtype.itemsize
-        if self.used + nbytes > self.cap:
+        if nbytes > self.room():
             return None
         try:
             buf = torch.empty(numel, dtype=dtype)
         except RuntimeError:  # no host memory left
             return None
-        if self.pin and not _host_register(buf):  # the OS has no more lockable memory
-            return None
+        if self.pin:
+            if not _host_register(buf):  # the OS has no more lockable memory
+                return None
+            _pins += 1
         self._held[buf.data_ptr()] = nbytes
         self._buffers.append(buf)
         self.used += nbytes
+        BUDGET._count(self.owner, nbytes)
         with _lock:
             _live += nbytes
         return buf
+
+    def report(self, what: str):
+        """Log the buffers pinned since the last report, in one line (the benchmarks count these)."""
+        n, nbytes = len(self._buffers) - self._reported[0], self.used - self._reported[1]
+        if n > 0 and self.pin:
+            log.info("Z-Image: pinned %.2f GiB of host memory for the %s (%d buffers; %.2f GiB held by the pack)",
+                     nbytes / GiB, what, n, _live / GiB)
+        self._reported = (len(self._buffers), self.used)
+
+    def free(self, buf):
+        """Give one buffer back (e.g. one whose filling was interrupted)."""
+        nbytes = self._held.pop(buf.data_ptr())
+        _release({buf.data_ptr(): nbytes}, self.pin, self.owner)
+        self._buffers = [b for b in self._buffers if b.data_ptr() != buf.data_ptr()]
+        self.used -= nbytes
+        self._reported = (self._reported[0] - 1, self._reported[1] - nbytes)
 
     def holds(self, buf) -> bool:
         return buf.data_ptr() in self._held
 
     def release_all(self):
         """Unlock every buffer; the memory itself goes when the last reference to it does."""
-        _release(self._held, self.pin)
+        _release(self._held, self.pin, self.owner)
         self._buffers.clear()
         self.used = 0
-
-    @staticmethod
-    def environment_cap() -> int | None:
-        """ZIMAGE_PINNED_GIB: the pinned bytes this process may hold in all (e.g. for a 16 GB RAM machine)."""
-        text = os.environ.get("ZIMAGE_PINNED_GIB", "").strip()
-        if not text:
-            return None
-        try:
-            gib = float(text)
-        except ValueError:
-            gib = math.nan
-        if not (math.isfinite(gib) and gib >= 0):
-            raise SettingError(f"ZIMAGE_PINNED_GIB is {text!r}: set it to a number of GiB >= 0 (e.g. 4 or 10.5; "
-                               "0 pins nothing), or unset it to pin up to half of the available RAM.")
-        return int(gib * (1 << 30))
+        self._reported = (0, 0)

@@ -1,5 +1,9 @@
 """How many main layers stay on the GPU for a given free memory and image size.
 
+Host memory is planned beside it: the streamed layers' masters are pinned while the host budget
+(``host_memory.BUDGET``: the RAM that is available, less what ComfyUI's RAM cache keeps free) has
+room, and the rest are read from the file (the page cache, or the disk) at every upload.
+
 Device memory = fixed part (embedders, norms, adaLN, final layer) + resident layers + slots +
 activations, where the layers are every block with big matrices: the refiners and the main
 layers. Slots cost as much as resident layers, so their number is chosen by simulating a run of
@@ -14,6 +18,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from . import host_memory
 from .config import ZImageConfig
 from .streamer import PackLayout, residency_order
 
@@ -21,6 +26,33 @@ MiB = 1 << 20
 GiB = 1 << 30
 RESERVE = 384 * MiB  # cuBLAS workspaces, allocator rounding, the CUDA graphs of other code
 HOST_RESERVE = GiB   # what a forward on the CPU leaves to the rest of the machine
+
+
+# Qwen3-4B's 36 decoder layers in bf16 (per layer: q 4096x2560, k and v 1024x2560, o 2560x4096,
+# gate and up 9728x2560, down 2560x9728, two norms): what the text encoder streams or pins
+TEXT_ENCODER_LAYERS_BYTES = 36 * 2 * (2560 * (4096 + 1024 + 1024) + 4096 * 2560 + 3 * 2560 * 9728 + 2 * 2560 + 2 * 128)
+
+
+@dataclass
+class HostRoom:
+    available: int   # RAM available
+    headroom: int    # what ComfyUI's RAM cache keeps free
+    working: int     # what a run needs beside the weights
+    fixed: int       # the transformer's fixed part and its two staging buffers
+    layers: int      # what is left for the streamed layers' masters (then the text encoder's)
+
+    def as_dict(self):
+        return asdict(self)
+
+
+def host_room(cfg: ZImageConfig, available: int, storage=torch.bfloat16, dtype=torch.bfloat16,
+              total: int | None = None) -> HostRoom:
+    """The host side of a plan for ``available`` bytes of RAM on a machine of ``total`` (default:
+    the same): what stays free, what the fixed part and the staging take, what the layers get."""
+    headroom = host_memory.cache_headroom(available if total is None else total)
+    fixed = cfg.fixed_params() * dtype.itemsize + 2 * PackLayout(cfg, storage).nbytes
+    layers = max(0, available - headroom - host_memory.WORKING_MARGIN - fixed)
+    return HostRoom(available, headroom, host_memory.WORKING_MARGIN, fixed, layers)
 
 
 @dataclass
@@ -36,11 +68,13 @@ class Plan:
     fixed_bytes: int
     activation_bytes: int
     device_bytes: int
-    pinned_host_bytes: int
+    pinned_host_bytes: int         # the streamed layers' pinned masters
     fits: bool
     on_cpu: bool = False           # computed on the CPU: every layer in host memory, RAM is the limit
     needed_bytes: int = 0          # the least this size needs (with every layer streamed, on a GPU)
     largest_fitting: tuple | None = None  # (width, height) of the same shape that fits, when this does not
+    pinned_layers: int = 0         # streamed layers with a pinned master
+    file_layers: int = 0           # streamed layers read from the file (page cache) at every upload
 
     def as_dict(self):
         return asdict(self)
@@ -59,7 +93,14 @@ class Plan:
                     f"this {'machine' if self.on_cpu else 'card'} has {_gib(self.free_bytes)} free. {hint}.")
         if self.on_cpu:
             return f"Z-Image: on the CPU, all {n} layers in host memory ({size})"
-        return f"Z-Image: {self.resident_layers} of {n} layers on the GPU, {self.streamed_layers} streamed ({size})"
+        return f"Z-Image: {self.resident_layers} of {n} layers on the GPU, {self.streamed_layers} streamed{self.sources()} ({size})"
+
+    def sources(self) -> str:
+        """Where the streamed layers come from, when not all from pinned memory: " (16 pinned, 5
+        from the page cache)"."""
+        if not self.file_layers or self.on_cpu:
+            return ""
+        return f" ({self.pinned_layers} pinned, {self.file_layers} from the page cache)"
 
 
 def device_free_bytes(device) -> int:
@@ -177,7 +218,9 @@ def block_costs(cfg: ZImageConfig, width, height, batch=1, cap_tokens=512) -> li
 
 def plan(cfg: ZImageConfig, free_bytes: int, width: int, height: int, batch: int = 1,
          storage=torch.bfloat16, dtype=torch.bfloat16, compute_copy_ratio: float | None = None,
-         pinned_cap: int | None = None) -> Plan:
+         host_room: int | None = None) -> Plan:
+    """The split for ``free_bytes`` of device memory; ``host_room``: host bytes the streamed layers'
+    masters may take (None: as many as they need)."""
     layer = PackLayout(cfg, storage).nbytes
     fixed = cfg.fixed_params() * dtype.itemsize
     act = activation_bytes(cfg, width, height, batch, dtype=dtype, storage=storage)
@@ -201,8 +244,11 @@ def plan(cfg: ZImageConfig, free_bytes: int, width: int, height: int, batch: int
     def need(w, h):  # the least a size needs: everything streamed through one slot
         return fixed + activation_bytes(cfg, w, h, batch, dtype=dtype, storage=storage) + RESERVE + (layer if n else 0)
 
-    pinned = streamed * layer if pinned_cap is None else min(streamed * layer, pinned_cap // layer * layer)
-    return Plan(width, height, batch, free_bytes, r if fits else 0, streamed if fits else n, k if fits else 0,
-                layer, fixed, act, fixed + act + (r + k) * layer if fits else 0, pinned, fits,
+    if not fits:
+        streamed = n
+    pinned = streamed if host_room is None else min(streamed, max(0, host_room) // layer)
+    return Plan(width, height, batch, free_bytes, r if fits else 0, streamed, k if fits else 0,
+                layer, fixed, act, fixed + act + (r + k) * layer if fits else 0, pinned * layer, fits,
                 needed_bytes=need(width, height),
-                largest_fitting=None if fits else _largest_fitting(width, height, lambda w, h: need(w, h) <= free_bytes))
+                largest_fitting=None if fits else _largest_fitting(width, height, lambda w, h: need(w, h) <= free_bytes),
+                pinned_layers=pinned, file_layers=streamed - pinned)

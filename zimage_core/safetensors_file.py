@@ -206,6 +206,13 @@ class SafetensorsFile:
             raise FileChanged(self.path, f"ended while {key!r} was read: it was truncated after it was loaded.",
                               "Load the model again once the file is complete.")
 
+    def advise(self, key):
+        """Start reading tensor ``key`` from disk in the background (a no-op where the OS has no
+        such hint, or the bytes are in the page cache already)."""
+        if self._file is not None and hasattr(os, "posix_fadvise"):
+            start, stop = self.entries[key]["data_offsets"]
+            os.posix_fadvise(self._file.fileno(), self._base + start, stop - start, os.POSIX_FADV_WILLNEED)
+
     def stored(self, key) -> "StoredTensor":
         return StoredTensor(self, key)
 
@@ -231,3 +238,6 @@ class StoredTensor:
 
     def read_into(self, out: torch.Tensor):
         self.file.read_into(self.key, out)
+
+    def advise(self):
+        self.file.advise(self.key)

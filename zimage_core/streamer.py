@@ -1,18 +1,22 @@
 """Layers (every block with big matrices: the refiners and the main layers, in the order a forward
 runs them): some resident on the device, spread through the stack, the others streamed.
 
-Every layer's five big matrices have one host master: a packed buffer (pinned on CUDA,
-taken from a ``HostPool``) or, past the pinning cap, the file itself, read into a staging buffer
-for each upload. The first
-``n_resident`` layers of ``residency_order`` also have a packed device buffer; the others are
-uploaded, one copy per layer, into a ring of device slots on a dedicated copy stream, ordered
-with events: a slot is refilled only after the layer that used it has finished, and a layer
-runs only after its upload. While a forward's last layers run, the next forward's first uploads
-can already be queued (``run_layers(..., next_forward=True)``), so the copy engine does not idle
-between steps. Uploads go host -> device only, so evicting a resident layer just drops its
-device buffer and promoting one is a single upload. Every buffer has the same layout, so a
-matrix is the same view of the same shape and alignment whichever buffer it lives in: the
-kernels, and therefore the bits, do not depend on the split. On the CPU the same code runs
+A layer's five big matrices come from its source (the checkpoint file, or another model's own
+tensors). A streamed layer gets one host master at its first upload: a packed buffer taken from
+a ``HostPool`` (pinned on CUDA) when the host budget has room for it, so loading pins nothing
+and the first forward pins as it goes. A layer without a master (resident layers, and streamed
+layers past the budget) is read from its source into one of two pinned staging buffers, the
+read into one overlapping the upload from the other, with the kernel asked to read the next
+layer's bytes ahead; no weight is held in host memory twice. The first ``n_resident`` layers of
+``residency_order`` have a packed device buffer; the others are uploaded, one copy per layer,
+into a ring of device slots on a dedicated copy stream, ordered with events: a slot is refilled
+only after the layer that used it has finished, and a layer runs only after its upload. While a
+forward's last layers run, the next forward's first uploads can already be queued
+(``run_layers(..., next_forward=True)``), so the copy engine does not idle between steps.
+Uploads go host -> device only, so evicting a resident layer just drops its device buffer and
+promoting one is a single upload. Every buffer has the same layout, so a matrix is the same view
+of the same shape and alignment whichever buffer it lives in: the kernels, and therefore the
+bits, do not depend on the split or on where a layer came from. On the CPU the same code runs
 with plain tensors and synchronous copies.
 
 Why spread: the copy engine can only run ahead of the compute by as many layers as there are
@@ -84,6 +88,14 @@ class PackLayout:
                 else:
                     t.read_into(dst[row:row + t.shape[0]])
 
+    @staticmethod
+    def advise(pieces: dict):
+        """Ask the OS to start reading a layer's bytes from disk now (a file-backed source)."""
+        for parts in pieces.values():
+            for _, t in parts:
+                if not isinstance(t, torch.Tensor):
+                    t.advise()
+
 
 def all_finite(t) -> torch.Tensor:
     """A 0-d bool tensor on ``t``'s device: no NaN or infinity in ``t`` (fp8 e4m3fn has NaN only)."""
@@ -101,14 +113,18 @@ def device_of(device) -> torch.device:
 
 
 class LayerStreamer:
-    def __init__(self, layout: PackLayout, sources: list, device, pool: HostPool, check_finite=False):
+    def __init__(self, layout: PackLayout, sources: list, device, pool: HostPool, check_finite=False,
+                 on_master=None):
         """``sources[i]`` is layer i's {name: [(row, tensor or StoredTensor)]} pieces. With
         ``check_finite`` every layer's matrices are checked for NaN and infinity the first time they
-        run (on the device, read back once at the end of that forward: ``NonFiniteWeights``)."""
+        run (on the device, read back once at the end of that forward: ``NonFiniteWeights``).
+        ``on_master(i, buffer)`` runs when layer i gets its packed host master (the owner of
+        tensor sources points its own tensors at it: one copy in host memory)."""
         self.layout, self.device, self.pool = layout, device_of(device), pool
         self.cuda = self.device.type == "cuda"
         self.n_layers = len(sources)
         self.sources = sources
+        self.on_master = on_master
         self.order = residency_order(self.n_layers)
         self.host = [None] * self.n_layers      # packed host masters (pinned where possible)
         self.resident = {}                     # layer -> packed device buffer
@@ -121,52 +137,99 @@ class LayerStreamer:
         # forward's j-th streamed layer and uses slot position % slots; uploads are queued up to
         # position ``_queued`` (exclusive)
         self._base = self._queued = 0
-        self._staging = None                   # host buffer for uploads of layers without a master
+        self._staging = []                     # [host buffer, event of its last upload or None]
+        self._stage_next = 0
         self.check_finite = check_finite
         self._unchecked = set(range(self.n_layers)) if check_finite else set()
         self._checks = []                      # (layer, {name: 0-d bool on the device}) of this forward
+        self.new_masters = 0                   # masters made since the owner last reported them
         self.profile = False
         self.copy_events = []                  # (start, end) per upload while profiling
         self.uploads = 0                       # streamed uploads since the last reset
 
     # -- host side -------------------------------------------------------------------------
 
-    def pin(self):
-        """Pack and pin host masters until the pool's cap, the layers that stay streamed longest
-        (the last in ``residency_order``) first."""
-        for i in reversed(self.order):
-            if self.host[i] is not None:
-                continue
-            buf = self.pool.allocate(self.layout.numel, self.layout.dtype)
-            if buf is None:
-                break
+    def _make_master(self, i) -> bool:
+        """Pack layer i into a master from the pool, if it has room."""
+        buf = self.pool.allocate(self.layout.numel, self.layout.dtype)
+        if buf is None:
+            return False
+        try:
             self.layout.fill(buf, self.sources[i])
-            self.host[i] = buf
+        except BaseException:  # an interrupt or a file that changed: no half-filled master stays
+            self.pool.free(buf)
+            raise
+        self._set_master(i, buf)
+        self.new_masters += 1
+        return True
+
+    def _set_master(self, i, buf):
+        self.host[i] = buf
+        if self.on_master is not None:
+            self.on_master(i, buf)
 
     def ensure_host(self, i):
-        """A packed host master for layer i even past the pinning cap (then pageable memory):
-        a patched layer cannot be re-read from the file."""
-        if self.host[i] is None:
-            buf = self.pool.allocate(self.layout.numel, self.layout.dtype)
-            if buf is None:
-                buf = torch.empty(self.layout.numel, dtype=self.layout.dtype)
+        """A packed host master for layer i even past the budget (then pageable memory): a
+        patched layer cannot be re-read from its source."""
+        if self.host[i] is None and not self._make_master(i):
+            buf = torch.empty(self.layout.numel, dtype=self.layout.dtype)
             self.layout.fill(buf, self.sources[i])
-            self.host[i] = buf
+            self._set_master(i, buf)
 
     @property
     def pinned_layers(self) -> int:
         return sum(h is not None and self.pool.holds(h) for h in self.host)
 
-    def _upload(self, i, dst):
+    @property
+    def master_layers(self) -> int:
+        return sum(h is not None for h in self.host)
+
+    def _upload(self, i, dst, master=True):
+        """Layer i into ``dst``: from its host master, or without one from its source. With
+        ``master`` (a streamed layer) the layer first gets a master if the pool has room."""
+        if self.host[i] is None and master:
+            self._make_master(i)
         if self.host[i] is not None:
             dst.copy_(self.host[i], non_blocking=self.cuda)
         elif not self.cuda:
             self.layout.fill(dst, self.sources[i])
-        else:  # past the pinning cap: read into pageable staging, then a synchronous upload from it
-            if self._staging is None:
-                self._staging = torch.empty(self.layout.numel, dtype=self.layout.dtype)
-            self.layout.fill(self._staging, self.sources[i])
-            dst.copy_(self._staging)
+        else:
+            self._stage(i, dst)
+
+    def staging_buffer(self) -> torch.Tensor:
+        """A staging buffer (made if there is none yet)."""
+        self._make_staging()
+        return self._staging[0][0]
+
+    def _make_staging(self):
+        if not self._staging:
+            for _ in range(2):
+                buf = self.pool.allocate(self.layout.numel, self.layout.dtype)
+                if buf is None:
+                    break
+                self._staging.append([buf, torch.cuda.Event()])
+            if not self._staging:
+                self._staging.append([torch.empty(self.layout.numel, dtype=self.layout.dtype), None])
+
+    def _stage(self, i, dst):
+        """Upload layer i from its source through the staging buffers: two pinned ones when the
+        pool has room (the read into one runs while the other's upload is on the bus), else one
+        pageable buffer and a synchronous copy."""
+        self._make_staging()
+        buf, done = self._staging[self._stage_next]
+        self._stage_next = (self._stage_next + 1) % len(self._staging)
+        if done is not None:
+            done.synchronize()  # its previous upload has left it
+        self.layout.fill(buf, self.sources[i])
+        if done is None:
+            dst.copy_(buf)
+        else:
+            dst.copy_(buf, non_blocking=True)
+            done.record(torch.cuda.current_stream(self.device))
+
+    def _read_ahead(self, i):
+        if self.host[i] is None:
+            self.layout.advise(self.sources[i])
 
     # -- device side -----------------------------------------------------------------------
 
@@ -206,12 +269,15 @@ class LayerStreamer:
             if self.cuda:
                 self._ready.append(torch.cuda.Event())
                 self._free.append(torch.cuda.Event())
-        for i in sorted(keep - self.resident.keys()):
+        promote = sorted(keep - self.resident.keys())
+        for j, i in enumerate(promote):
             if not self.cuda and self.host[i] is not None:
                 self.resident[i] = self.host[i]  # on the CPU the host master is the layer: no second copy
                 continue
+            if j + 1 < len(promote):
+                self._read_ahead(promote[j + 1])
             buf = self._empty()
-            self._upload(i, buf)
+            self._upload(i, buf, master=False)  # a resident layer needs no host copy
             self.resident[i] = buf
         self.synchronize()
 
@@ -227,14 +293,15 @@ class LayerStreamer:
         return True
 
     def release(self):
-        """Drop every device buffer and host master (pinned memory goes back to the OS)."""
+        """Drop every device buffer, host master and staging buffer (pinned memory goes back to
+        the OS)."""
         self.synchronize()
         self.resident.clear()
         self.slots.clear()
         self._ready.clear(), self._free.clear()
         self.drop_queued()
         self.host = [None] * self.n_layers
-        self._staging = None
+        self._staging, self._stage_next = [], 0
         self.pool.release_all()
 
     def synchronize(self):
@@ -269,6 +336,7 @@ class LayerStreamer:
         next one's) into its slot."""
         self._prefetch(self.streamed[(pos - self._base) % self.n_streamed], pos % len(self.slots))
         self._queued = pos + 1
+        self._read_ahead(self.streamed[(pos + 1 - self._base) % self.n_streamed])
 
     def prefetch_first(self):
         """Start the uploads of the first streamed layers that are not queued yet; they overlap

@@ -1,8 +1,9 @@
 """A loaded Z-Image transformer: the DiT, its layer streamer and the current plan.
 
-``ZImageTransformer.load(path, device)`` reads any supported checkpoint, places the fixed
-part on the device, packs the main layers into host masters, and is then called exactly
-like ComfyUI's ``NextDiT``. ``prepare(width, height)`` picks the split for the free memory
+``ZImageTransformer.load(path, device)`` reads any supported checkpoint's header and its fixed
+part (0.26 GiB; the layers stay in the file until a forward needs them: loading pins and packs
+nothing), places the fixed part on the device, and is then called exactly like ComfyUI's
+``NextDiT``. ``prepare(width, height)`` picks the split for the free memory
 (promoting layers when memory came back, evicting when it went), and an out-of-memory error
 during a forward evicts one more layer and runs the forward again.
 """
@@ -16,6 +17,7 @@ from . import planner
 from .checkpoint import Checkpoint
 from .config import ZImageConfig
 from .errors import CheckpointError, NonFiniteWeights, OutOfDeviceMemory, ZImageError
+from . import host_memory
 from .host_memory import HostPool, available_ram
 from .model import Chunks, ZImageDiT
 from .streamer import LayerStreamer, PackLayout, all_finite
@@ -115,13 +117,16 @@ class ZImageTransformer(torch.nn.Module):
     def load(cls, path, device="cuda", dtype="bf16", weight_dtype=None, pinned_cap=None, initial_device=None,
              check_interrupt=None):
         """``device`` computes; the fixed part starts on ``initial_device`` (default: ``device``),
-        e.g. the CPU for a model that ComfyUI moves to the GPU when it is used."""
+        e.g. the CPU for a model that ComfyUI moves to the GPU when it is used. ``pinned_cap``: host
+        bytes this model may hold at most (beside the process-wide budget; 0: every layer is read
+        from the file at every upload)."""
         if dtype not in COMPUTE_DTYPES:
             raise ZImageError(f"compute dtype {dtype!r} is not supported; use one of {', '.join(COMPUTE_DTYPES)}.")
         if weight_dtype not in (None, "default", *STORAGE_DTYPES):
             raise ZImageError(f"weight dtype {weight_dtype!r} is not supported; use one of "
                               f"default, {', '.join(STORAGE_DTYPES)}.")
         compute = COMPUTE_DTYPES[dtype]
+        log.info("Z-Image: loading the transformer from %s", path)
         ckpt = Checkpoint(path)
         pool = None
         try:
@@ -138,15 +143,10 @@ class ZImageTransformer(torch.nn.Module):
             model.load_state_dict(state, assign=True)
             model.requires_grad_(False)  # inference only: no autograd graph keeps activations alive
             layout = PackLayout(cfg, storage)
-            pool = HostPool(pinned_cap, pin=dev.type == "cuda")
+            pool = HostPool("transformer", pin=dev.type == "cuda", cap_bytes=pinned_cap)
             streamer = LayerStreamer(layout, [_layer_pieces(ckpt, f"{name}.") for name in cfg.block_names()],
                                      dev, pool, check_finite=True)
-            streamer.pin()  # the streamed layers need pinned memory most: they take the pool first
             fixed = _FixedPart(model, pool)
-            if streamer.pinned_layers < cfg.n_blocks:
-                log.warning("Z-Image: %d of %d layers fit under the pinned-memory cap of %.1f GiB; the rest "
-                            "are read from the file at every upload (slower when they stream).",
-                            streamer.pinned_layers, cfg.n_blocks, pool.cap / planner.GiB)
             t = cls(model, streamer, ckpt, fixed, check_interrupt)
             if home == dev:
                 t.to_device()
@@ -191,7 +191,7 @@ class ZImageTransformer(torch.nn.Module):
 
     def offload(self, device="cpu"):
         """Free every byte this model holds on the device. Nothing is copied back: the fixed part
-        and the layers have pinned host masters."""
+        has a host master, and a layer comes back from its master or the file."""
         self.streamer.configure(0, 0)
         if self.on_device and self.device.type != "cpu":
             self.fixed.place(None)
@@ -230,12 +230,21 @@ class ZImageTransformer(torch.nn.Module):
         if tokens not in self._ratio and self.device.type == "cuda":
             self._ratio[tokens] = self._measure_ratio(tokens)
         p = planner.plan(self.cfg, free, width, height, batch, storage=self.storage_dtype, dtype=self.dtype,
-                         compute_copy_ratio=self._ratio.get(tokens), pinned_cap=self.streamer.pool.cap)
+                         compute_copy_ratio=self._ratio.get(tokens), host_room=self.host_room())
         if self.max_resident is not None and p.fits and p.resident_layers > self.max_resident:
             p.resident_layers = self.max_resident
             p.streamed_layers = self.cfg.n_blocks - p.resident_layers
             p.slots = max(p.slots, 2)
         return p
+
+    def host_room(self) -> int | None:
+        """Host bytes the streamed layers' masters may take: those they hold, and what the budget
+        leaves after the staging buffers every upload from the file needs. None on the CPU."""
+        s = self.streamer
+        if not s.cuda:
+            return None
+        staging = 0 if s._staging else 2 * s.layout.nbytes
+        return s.master_layers * s.layout.nbytes + max(0, s.pool.room() - staging)
 
     def prepare(self, width, height, batch=1, resident_layers=None, free_bytes=None) -> planner.Plan:
         """Set the split for an image of this size: planned, or forced to ``resident_layers``."""
@@ -248,8 +257,26 @@ class ZImageTransformer(torch.nn.Module):
             raise OutOfDeviceMemory(p.summary())
         self.plan = p
         self._set_split(p.resident_layers, p.slots)
+        if self.streamer.cuda:
+            # the streamed layers' masters, the staging buffers and the fixed part: what the host
+            # budget keeps for this model however the text encoder's pools come first
+            host_memory.BUDGET.claim("transformer", self.fixed_bytes + (p.streamed_layers + 2) * p.layer_bytes)
         self._announce()
+        self._warn_host(p)
         return p
+
+    def _warn_host(self, p):
+        """Once per plan that reads layers from the file: what would help."""
+        key = (p.file_layers, p.streamed_layers)
+        if not p.file_layers or key == getattr(self, "_warned", None):
+            return
+        self._warned = key
+        fp8 = "" if self.storage_dtype == torch.float8_e4m3fn else "the fp8 checkpoint (half the bytes), "
+        log.warning("Z-Image: the RAM holds %d of %d streamed layers pinned; %d are read from the file at every "
+                    "step (slower; from the disk where the page cache cannot hold them). What would help: %s"
+                    "more RAM, or closing other programs. ComfyUI keeps %.1f GiB of RAM free.",
+                    p.pinned_layers, p.streamed_layers, p.file_layers, fp8,
+                    host_memory.BUDGET.headroom / planner.GiB)
 
     def _set_split(self, resident, slots):
         while True:
@@ -273,7 +300,8 @@ class ZImageTransformer(torch.nn.Module):
             msg = (f"Z-Image: on the CPU, all {n} layers in host memory{size}" if r == n else
                    f"Z-Image: on the CPU, {r} of {n} layers kept, {n - r} streamed from host memory{size}")
         else:
-            msg = f"Z-Image: {r} of {n} layers on the GPU, {n - r} streamed{size}"
+            sources = self.plan.sources() if self.plan and self.plan.resident_layers == r else ""
+            msg = f"Z-Image: {r} of {n} layers on the GPU, {n - r} streamed{sources}{size}"
         if msg == self._last_status:
             return
         self._last_status = msg
@@ -369,9 +397,7 @@ class ZImageTransformer(torch.nn.Module):
         dev = self.device
         x = torch.randn(tokens + 512, cfg.dim, device=dev, dtype=self.dtype)
         w = torch.randn(cfg.ffn_dim, cfg.dim, device=dev, dtype=self.dtype)
-        host = next((h for h in self.streamer.host if h is not None), None)
-        if host is None:
-            return None
+        host = self.streamer.staging_buffer()  # what an upload copies from (pinned if the budget has room)
         dst = torch.empty_like(host, device=dev)
         ev = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
         for _ in range(2):
@@ -407,8 +433,10 @@ class ZImageTransformer(torch.nn.Module):
         while True:
             try:
                 self._check_budget(x)
-                return self.model(x, timesteps, context, num_tokens, attention_mask, transformer_options,
-                                  chunks=chunks, tick=self.check_interrupt, **kw)
+                out = self.model(x, timesteps, context, num_tokens, attention_mask, transformer_options,
+                                 chunks=chunks, tick=self.check_interrupt, **kw)
+                self.streamer.pool.report("transformer")
+                return out
             except NonFiniteWeights as e:
                 raise CheckpointError(self.ckpt.path, f"has NaN or infinite values in "
                                       f"{self.cfg.block_names()[e.layer]}.{_BIG_NAMES[e.name]}.weight.",
