@@ -126,6 +126,28 @@ def test_masters_are_made_at_first_upload_within_the_cap_and_released(tiny_file)
     assert host_memory.live_bytes() == before
 
 
+def test_layers_without_masters_come_through_staging_with_the_files_bytes(tiny_file):
+    """Past the budget, streamed layers are read from the file into a staging buffer at every
+    upload: its bytes are the file's, and the output is the resident one."""
+    from zimage_core.checkpoint import Checkpoint
+    fixed = TINY.fixed_params() * 4
+    x, t, ctx = inputs(TINY)
+    m = ZImageTransformer.load(tiny_file, device="cpu", dtype="fp32", pinned_cap=fixed)
+    m.prepare(64, 48, resident_layers=TINY.n_blocks)
+    ref = m(x, t, ctx)
+    m.prepare(64, 48, resident_layers=0)
+    assert torch.equal(m(x, t, ctx), ref)
+    s = m.streamer
+    assert s.master_layers == 0 and len(s._staging) == 1  # no room for a master nor a second buffer
+    last = TINY.n_blocks - 1  # the last upload of the forward
+    staged = s.layout.views(s._staging[0][0])
+    ck = Checkpoint(tiny_file)
+    for name, key in (("qkv", "attention.qkv"), ("out", "attention.out"), ("w2", "feed_forward.w2")):
+        assert torch.equal(getattr(staged, name), ck.tensor(f"{TINY.block_names()[last]}.{key}.weight"))
+    ck.close()
+    m.release()
+
+
 def test_fp8_storage_streams_and_matches_upcast_weights(tmp_path):
     from zimage_core.random_weights import write_checkpoint
     path = str(tmp_path / "fp8.safetensors")

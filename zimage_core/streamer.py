@@ -77,14 +77,15 @@ class PackLayout:
         o = self.offsets[name]
         return flat[o:o + math.prod(shape)].view(shape)
 
-    def fill(self, flat, pieces: dict):
+    def fill(self, flat, pieces: dict, pinned=False):
         """Copy pieces {name: [(row, tensor or StoredTensor)]} into ``flat`` (casting to its dtype);
-        a ``StoredTensor`` is read from its file straight into host memory."""
+        a ``StoredTensor`` is read from its file straight into host memory. ``pinned``: the
+        tensors are page-locked, so copies to the device need not wait."""
         for name, parts in pieces.items():
             dst = self.region(flat, name)
             for row, t in parts:
                 if isinstance(t, torch.Tensor):
-                    dst[row:row + t.shape[0]].copy_(t, non_blocking=flat.is_cuda and t.is_pinned())
+                    dst[row:row + t.shape[0]].copy_(t, non_blocking=flat.is_cuda and (pinned or t.is_pinned()))
                 else:
                     t.read_into(dst[row:row + t.shape[0]])
 
@@ -125,6 +126,7 @@ class LayerStreamer:
         self.n_layers = len(sources)
         self.sources = sources
         self.on_master = on_master
+        self.sources_pinned = False              # the sources are page-locked in place: no masters
         self.order = residency_order(self.n_layers)
         self.host = [None] * self.n_layers      # packed host masters (pinned where possible)
         self.resident = {}                     # layer -> packed device buffer
@@ -187,11 +189,14 @@ class LayerStreamer:
     def _upload(self, i, dst, master=True):
         """Layer i into ``dst``: from its host master, or without one from its source. With
         ``master`` (a streamed layer) the layer first gets a master if the pool has room."""
+        if self.host[i] is None and self.sources_pinned:
+            self.layout.fill(dst, self.sources[i], pinned=True)
+            return
         if self.host[i] is None and master:
             self._make_master(i)
         if self.host[i] is not None:
             dst.copy_(self.host[i], non_blocking=self.cuda)
-        elif not self.cuda:
+        elif not (self.cuda or master):  # a resident layer on the CPU: its buffer is the host copy
             self.layout.fill(dst, self.sources[i])
         else:
             self._stage(i, dst)
@@ -207,14 +212,14 @@ class LayerStreamer:
                 buf = self.pool.allocate(self.layout.numel, self.layout.dtype)
                 if buf is None:
                     break
-                self._staging.append([buf, torch.cuda.Event()])
+                self._staging.append([buf, torch.cuda.Event() if self.cuda else None])
             if not self._staging:
                 self._staging.append([torch.empty(self.layout.numel, dtype=self.layout.dtype), None])
 
     def _stage(self, i, dst):
         """Upload layer i from its source through the staging buffers: two pinned ones when the
         pool has room (the read into one runs while the other's upload is on the bus), else one
-        pageable buffer and a synchronous copy."""
+        pageable buffer and a synchronous copy (always on the CPU)."""
         self._make_staging()
         buf, done = self._staging[self._stage_next]
         self._stage_next = (self._stage_next + 1) % len(self._staging)
