@@ -14,15 +14,17 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 def test_streamed_equals_resident_on_cuda(tiny_file, dtype):
     before = host_memory.live_bytes()
     m = ZImageTransformer.load(tiny_file, device="cuda", dtype=dtype)
-    assert m.streamer.host[-1].is_pinned()
+    assert m.streamer.master_layers == 0  # loading packs nothing
     x, _, ctx = inputs(TINY, width=128, height=96)
     m.prepare(128, 96, resident_layers=TINY.n_blocks)
     ref = euler_sample(m, x.cuda(), ctx.cuda(), steps=4)
+    assert m.streamer.master_layers == 0  # resident layers came from the file through staging
     for r in range(TINY.n_blocks):
         for slots in (1, 2, 3):
             m.streamer.configure(r, slots)
             out = euler_sample(m, x.cuda(), ctx.cuda(), steps=4)
             assert torch.equal(out, ref), (r, slots)
+    assert all(h is not None and h.is_pinned() for h in m.streamer.host)  # each streamed once: a pinned master
     m.release()
     assert host_memory.live_bytes() == before
 

@@ -95,6 +95,18 @@ class Plan:
             return f"Z-Image: on the CPU, all {n} layers in host memory ({size})"
         return f"Z-Image: {self.resident_layers} of {n} layers on the GPU, {self.streamed_layers} streamed{self.sources()} ({size})"
 
+    def force(self, resident: int, host_room: int | None):
+        """Keep ``resident`` layers on the device (clamped to the stack), whatever the plan chose;
+        the others stream through at least two slots, pinned as far as ``host_room`` allows."""
+        n = self.resident_layers + self.streamed_layers
+        self.resident_layers = max(0, min(resident, n))
+        self.streamed_layers = n - self.resident_layers
+        self.slots = 0 if not self.streamed_layers else max(self.slots, 2)
+        self.pinned_layers = self.streamed_layers if host_room is None else min(
+            self.streamed_layers, max(0, host_room) // self.layer_bytes)
+        self.file_layers = self.streamed_layers - self.pinned_layers
+        self.pinned_host_bytes = self.pinned_layers * self.layer_bytes
+
     def sources(self) -> str:
         """Where the streamed layers come from, when not all from pinned memory: " (16 pinned, 5
         from the page cache)"."""

@@ -232,9 +232,7 @@ class ZImageTransformer(torch.nn.Module):
         p = planner.plan(self.cfg, free, width, height, batch, storage=self.storage_dtype, dtype=self.dtype,
                          compute_copy_ratio=self._ratio.get(tokens), host_room=self.host_room())
         if self.max_resident is not None and p.fits and p.resident_layers > self.max_resident:
-            p.resident_layers = self.max_resident
-            p.streamed_layers = self.cfg.n_blocks - p.resident_layers
-            p.slots = max(p.slots, 2)
+            p.force(self.max_resident, self.host_room())
         return p
 
     def host_room(self) -> int | None:
@@ -250,9 +248,7 @@ class ZImageTransformer(torch.nn.Module):
         """Set the split for an image of this size: planned, or forced to ``resident_layers``."""
         p = self.make_plan(width, height, batch, free_bytes)
         if resident_layers is not None:
-            r = max(0, min(resident_layers, self.cfg.n_blocks))
-            p.resident_layers, p.streamed_layers = r, self.cfg.n_blocks - r
-            p.slots = 0 if r == self.cfg.n_blocks else max(p.slots, 2)
+            p.force(resident_layers, self.host_room())
         elif not p.fits:
             raise OutOfDeviceMemory(p.summary())
         self.plan = p
