@@ -34,6 +34,8 @@ def decode_full(vae, samples):
             x = samples[i:i + 1].to(device=vae.device, dtype=vae.vae_dtype)
             img = vae.first_stage_model.decode(x).to(vae.output_device).float()
             out.append(vae.process_output(img))
+    if pinned is not None:
+        pinned.part.pool.report("VAE")
     return torch.cat(out).movedim(1, -1)
 
 

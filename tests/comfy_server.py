@@ -271,8 +271,21 @@ def stop_server(client):
             proc.wait(timeout=20)
 
 
+# ComfyUI's RAM-pressure cache (v0.28) keeps this much RAM available (GB), here set explicitly: the
+# pack's host budget must read it from ComfyUI and keep it free
+CACHE_RAM_HEADROOM = 3.0
+
+
+def has_cache_ram() -> bool:
+    with open(os.path.join(COMFYUI_PATH, "comfy", "cli_args.py")) as f:
+        return "--cache-ram" in f.read()
+
+
 def server_flags():
-    return shlex.split(os.environ.get("COMFY_SERVER_FLAGS", ""))
+    flags = shlex.split(os.environ.get("COMFY_SERVER_FLAGS", ""))
+    if has_cache_ram() and "--cache-ram" not in flags:
+        flags += ["--cache-ram", str(CACHE_RAM_HEADROOM)]
+    return flags
 
 
 @pytest.fixture(scope="session")

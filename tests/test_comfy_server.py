@@ -401,3 +401,21 @@ def test_free_releases_host_memory(comfy_server):
     assert released() > before, comfy_server.log_tail()
     entry = comfy_server.run(pack_workflow(prefix="after_free"))
     assert entry["status"]["completed"]
+
+
+def test_the_model_survives_prompts_and_the_budget_keeps_comfyuis_headroom(comfy_server):
+    """New prompt texts one after another: the MODEL stays cached (the transformer is not loaded
+    again) and, where ComfyUI has a RAM-pressure cache (v0.28), the pack's host budget keeps
+    the headroom the server was started with."""
+    from comfy_server import CACHE_RAM_HEADROOM, has_cache_ram
+    loads = lambda: comfy_server.log_text().count("Z-Image: loading the transformer")  # noqa: E731
+    comfy_server.run(pack_workflow(prompt="a first prompt", prefix="survive"))
+    before = loads()
+    for text in ("a second prompt, new words", "a third prompt, other words"):
+        assert comfy_server.run(pack_workflow(prompt=text, prefix="survive"))["status"]["completed"]
+    assert loads() == before, comfy_server.log_tail()
+    said = [line for line in comfy_server.log_text().splitlines() if "Z-Image: host RAM:" in line]
+    assert said, comfy_server.log_tail()
+    if has_cache_ram():
+        assert f"ComfyUI keeps {CACHE_RAM_HEADROOM:.1f} GiB of it free" in said[-1], said[-1]
+

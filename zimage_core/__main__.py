@@ -171,7 +171,7 @@ def _print_bench(r):
     print(f"  resident layers     {r['resident_layers']} ({r['streamed_layers']} streamed, {r['slots']} slots)")
     if "load_s" in r:
         print(f"  load                {r['load_s']:.2f} s")
-    print(f"  first forward       {r['first_forward_s']:.2f} s (split set, masters packed: "
+    print(f"  first forward       {r['first_forward_s']:.2f} s ({r['prepare_s']:.2f} s setting the split; masters packed: "
           f"{r['pinned_layers']} pinned, {r['file_layers']} from the file)")
     print(f"  median step         {ms(r['median_step_s'])} (first {ms(r['first_step_s'])}; "
           f"{r['pin_calls_in_steps']} pin calls)")

@@ -115,6 +115,8 @@ def _run(model, dev, width, height, steps, seed, resident_layers, resident, cap_
     t0 = time.perf_counter()
     plan = model.prepare(width, height, resident_layers=resident_layers)
     s = model.streamer
+    _sync(dev)
+    prepare_s = time.perf_counter() - t0
     euler_sample(model, noise, ctx, steps=1)  # warm-up: kernels, allocator, first uploads, masters packed
     _sync(dev)
     first_forward_s = time.perf_counter() - t0
@@ -146,7 +148,7 @@ def _run(model, dev, width, height, steps, seed, resident_layers, resident, cap_
         "width": width, "height": height, "steps": steps,
         "resident_layers": s.n_resident, "streamed_layers": s.n_streamed, "slots": len(s.slots),
         "planned_free_bytes": plan.free_bytes, "planned_activation_bytes": plan.activation_bytes,
-        "first_forward_s": first_forward_s, "pin_calls_in_steps": host_memory.pin_calls() - pins,
+        "prepare_s": prepare_s, "first_forward_s": first_forward_s, "pin_calls_in_steps": host_memory.pin_calls() - pins,
         "pinned_layers": s.pinned_layers, "file_layers": s.n_streamed - s.master_layers,
         "first_step_s": times[0], "median_step_s": step, "compute_step_s": compute,
         "streamed_bytes_per_step": streamed_bytes,

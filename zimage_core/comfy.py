@@ -29,7 +29,7 @@ from . import planner
 from .checkpoint import Checkpoint
 from .device_copies import DeviceCopies, module_tensors
 from .config import ZImageConfig
-from .host_memory import BUDGET, HostPool, cache_headroom, total_ram
+from .host_memory import BUDGET, HostPool, available_ram, cache_headroom, environment_cap, total_ram
 from .stack_streaming import StreamedStack, UnsupportedStack
 from .transformer import COMPUTE_DTYPES, STORAGE_DTYPES, ZImageTransformer
 
@@ -238,11 +238,21 @@ def _ram_cache_headroom() -> int:
     return int(getattr(comfy.memory_management, "RAM_CACHE_HEADROOM", 0))
 
 
+_said_headroom = [None]
+
+
 def _plan_host_budget(device):
-    """The host budget keeps what ComfyUI keeps free, and, until the transformer plans its own
-    split, expects it to need the masters of the layers a bf16 Z-Image streams at 1024x1024 on
-    this card: a text encoder loaded first leaves them that much RAM."""
-    BUDGET.headroom = max(cache_headroom(total_ram()), _ram_cache_headroom())
+    """The host budget keeps what ComfyUI keeps free (said once in the console), and, until the
+    transformer plans its own split, expects it to need the masters of the layers a bf16 Z-Image
+    streams at 1024x1024 on this card: a text encoder loaded first leaves them that much RAM."""
+    headroom = max(cache_headroom(total_ram()), _ram_cache_headroom())
+    if headroom != _said_headroom[0]:
+        _said_headroom[0] = headroom
+        avail = available_ram()
+        log.info("Z-Image: host RAM: %s available, ComfyUI keeps %.1f GiB of it free; the pack holds weights "
+                 "in the rest%s", "?" if avail is None else f"{avail / planner.GiB:.1f} GiB", headroom / planner.GiB,
+                 " (ZIMAGE_PINNED_GIB caps it)" if environment_cap() is not None else "")
+    BUDGET.headroom = headroom
     if "transformer" not in BUDGET.claims and torch.device(device).type == "cuda":
         p = planner.plan(ZImageConfig(), planner.device_free_bytes(device), 1024, 1024)
         BUDGET.claim("transformer", (p.streamed_layers + 2) * p.layer_bytes)
@@ -325,8 +335,7 @@ def load_model(path, weight_dtype="default", max_resident=None, leave_free_gib=0
     model_config.set_inference_dtype(unet_dtype, manual_cast)
     storage = weight if weight == torch.float8_e4m3fn else compute
     storage_name = {v: k for k, v in STORAGE_DTYPES.items()}[storage]
-    if torch.device(load_device).type == "cuda":
-        _plan_host_budget(load_device)
+    _plan_host_budget(load_device)
     # an interrupt is seen between blocks (and, on the CPU, between pieces of one), not only between steps
     t = ZImageTransformer.load(path, device=load_device, dtype=_DTYPE_NAMES[compute], weight_dtype=storage_name,
                                initial_device=offload_device,

@@ -76,13 +76,13 @@ class SafetensorsFile:
 
     def _read_header(self, size):
         head = bytearray(8)
-        if self._pread(memoryview(head), 0) < 8:
+        if self._pread_one(memoryview(head), 0) < 8:
             raise CheckpointError(self.path, "is empty or truncated (no safetensors header).", _FIX_FORMAT)
         (n,) = struct.unpack("<Q", head)
         if n > min(size - 8, MAX_HEADER):
             raise CheckpointError(self.path, "is not a safetensors file (bad header length).", _FIX_FORMAT)
         raw = bytearray(n)
-        self._pread(memoryview(raw), 8)
+        self._pread_one(memoryview(raw), 8)
         try:
             header = json.loads(raw)
         except (UnicodeDecodeError, ValueError):
@@ -149,23 +149,6 @@ class SafetensorsFile:
                                   "Supported storage: bf16, fp16, fp32, fp8 e4m3fn.")
         return DTYPES[name]
 
-    def _pread(self, view, offset) -> int:
-        """Fill ``view`` from ``offset``; the bytes read (fewer only at the end of the file)."""
-        global _pool
-        if len(view) <= _PIECE or _READERS == 1 or not hasattr(os, "preadv"):
-            return self._pread_one(view, offset)
-        if _pool is None:
-            _pool = concurrent.futures.ThreadPoolExecutor(_READERS, thread_name_prefix="zimage-read")
-        starts = range(0, len(view), _PIECE)
-        got = list(_pool.map(lambda a: self._pread_one(view[a:a + _PIECE], offset + a), starts))
-        # a short piece means the file ended there: count up to the first one
-        done = 0
-        for a, n in zip(starts, got):
-            done = a + n
-            if n < len(view[a:a + _PIECE]):
-                break
-        return done
-
     def _pread_one(self, view, offset) -> int:
         done = 0
         while done < len(view):
@@ -193,18 +176,7 @@ class SafetensorsFile:
     def read_into(self, key, out: torch.Tensor):
         """Read tensor ``key`` into ``out``: a contiguous host tensor of its shape, in its stored
         dtype or any other (then it is cast)."""
-        dtype = self.dtype(key)
-        if out.dtype != dtype or out.device.type != "cpu" or not out.is_contiguous():
-            tmp = torch.empty(self.shape(key), dtype=dtype)
-            self.read_into(key, tmp)
-            out.copy_(tmp)
-            return
-        start, stop = self.entries[key]["data_offsets"]
-        view = memoryview(out.view(-1).view(torch.uint8).numpy()) if out.numel() else memoryview(b"")
-        self.check_unchanged()
-        if self._pread(view, self._base + start) < stop - start:
-            raise FileChanged(self.path, f"ended while {key!r} was read: it was truncated after it was loaded.",
-                              "Load the model again once the file is complete.")
+        read_many([(self.stored(key), out)])
 
     def advise(self, key):
         """Start reading tensor ``key`` from disk in the background (a no-op where the OS has no
@@ -227,6 +199,38 @@ class SafetensorsFile:
         if self._file is not None:
             self._file.close()
         self._file = None
+
+
+def read_many(items):
+    """Read [(StoredTensor, out)] as ``read_into`` does, all of them at once: every piece of every
+    tensor goes to the reader threads together, so a layer's five matrices are read in parallel
+    rather than one after the other."""
+    global _pool
+    jobs, casts = [], []  # (file, view, offset, key); (tensor read, destination)
+    for st, out in items:
+        f, key = st.file, st.key
+        dtype = f.dtype(key)
+        if out.dtype != dtype or out.device.type != "cpu" or not out.is_contiguous():
+            target = torch.empty(f.shape(key), dtype=dtype)
+            casts.append((target, out))
+        else:
+            target = out
+        start, stop = f.entries[key]["data_offsets"]
+        f.check_unchanged()
+        view = memoryview(target.view(-1).view(torch.uint8).numpy()) if target.numel() else memoryview(b"")
+        jobs += [(f, view[a:a + _PIECE], f._base + start + a, key) for a in range(0, stop - start, _PIECE)]
+    if len(jobs) > 1 and _READERS > 1 and hasattr(os, "preadv"):
+        if _pool is None:
+            _pool = concurrent.futures.ThreadPoolExecutor(_READERS, thread_name_prefix="zimage-read")
+        got = list(_pool.map(lambda j: j[0]._pread_one(j[1], j[2]), jobs))
+    else:
+        got = [f._pread_one(view, offset) for f, view, offset, _ in jobs]
+    for (f, view, _, key), n in zip(jobs, got):
+        if n < len(view):
+            raise FileChanged(f.path, f"ended while {key!r} was read: it was truncated after it was loaded.",
+                              "Load the model again once the file is complete.")
+    for target, out in casts:
+        out.copy_(target)
 
 
 class StoredTensor:

@@ -34,6 +34,7 @@ from .config import ZImageConfig
 from .errors import NonFiniteWeights
 from .host_memory import HostPool
 from .model import BigWeights
+from .safetensors_file import read_many
 
 ALIGN = 256  # bytes; every matrix starts on the same alignment in every buffer
 
@@ -81,13 +82,15 @@ class PackLayout:
         """Copy pieces {name: [(row, tensor or StoredTensor)]} into ``flat`` (casting to its dtype);
         a ``StoredTensor`` is read from its file straight into host memory. ``pinned``: the
         tensors are page-locked, so copies to the device need not wait."""
+        stored = []
         for name, parts in pieces.items():
             dst = self.region(flat, name)
             for row, t in parts:
                 if isinstance(t, torch.Tensor):
                     dst[row:row + t.shape[0]].copy_(t, non_blocking=flat.is_cuda and (pinned or t.is_pinned()))
                 else:
-                    t.read_into(dst[row:row + t.shape[0]])
+                    stored.append((t, dst[row:row + t.shape[0]]))
+        read_many(stored)
 
     @staticmethod
     def advise(pieces: dict):
