@@ -170,32 +170,3 @@ def test_device_copies_equal_the_model_and_leave_it_as_it_was(device):
     copies.release()
     pool.release_all()
     assert live_bytes() == before
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_layers_in_one_read_only_mapping_are_pinned_in_place(tmp_path):
-    """A text encoder whose tensors lie in one read-only file mapping (ComfyUI with Dynamic VRAM):
-    that range is page-locked as it is, nothing is packed or copied in host memory, and the
-    output is the model's."""
-    import numpy as np
-    enc, ids, whole = encoder_and_output("cuda", seed=3)
-    layer_params = [(m, n) for layer in enc.layers for m in layer.modules() for n in list(m._parameters)]
-    flat = torch.cat([m._parameters[n].reshape(-1) for m, n in layer_params])
-    path = tmp_path / "weights.bin"
-    flat.numpy().tofile(path)
-    mapped = torch.from_numpy(np.memmap(path, dtype=np.float32, mode="r"))  # read-only pages
-    o = 0
-    for m, n in layer_params:
-        p = m._parameters[n]
-        m._parameters[n] = torch.nn.Parameter(mapped[o:o + p.numel()].view(p.shape), requires_grad=False)
-        o += p.numel()
-    before = live_bytes()
-    stack = StreamedStack(enc, "cuda", HostPool(), slots=2)
-    stack.max_resident = 0
-    with stack.running():
-        assert torch.equal(enc(ids), whole)
-    assert stack.streamer.sources_pinned and stack.streamer.master_layers == 0
-    assert live_bytes() - before >= flat.nbytes  # the mapping, counted as the pack's pinned memory
-    assert all(p.data_ptr() >= mapped.data_ptr() for p in enc.layers.parameters())  # still the model's own
-    stack.release()
-    assert live_bytes() == before

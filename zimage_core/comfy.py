@@ -229,8 +229,8 @@ def _pinned_patcher(p, root, make_part, what):
 
 
 def _ram_cache_headroom() -> int:
-    """The available RAM ComfyUI's RAM-pressure cache keeps (v0.20+, set for each prompt; its
-    default on this machine otherwise): below it ComfyUI drops cached models."""
+    """The available RAM ComfyUI's RAM-pressure cache keeps (v0.20+, set for each prompt from
+    --cache-ram or its default; 0 where there is none): below it ComfyUI drops cached models."""
     try:
         import comfy.memory_management
     except ImportError:  # v0.8: no RAM-pressure cache
@@ -245,7 +245,7 @@ def _plan_host_budget(device):
     """The host budget keeps what ComfyUI keeps free (said once in the console), and, until the
     transformer plans its own split, expects it to need the masters of the layers a bf16 Z-Image
     streams at 1024x1024 on this card: a text encoder loaded first leaves them that much RAM."""
-    headroom = max(cache_headroom(total_ram()), _ram_cache_headroom())
+    headroom = _ram_cache_headroom() or cache_headroom(total_ram())
     if headroom != _said_headroom[0]:
         _said_headroom[0] = headroom
         avail = available_ram()

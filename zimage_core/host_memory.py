@@ -155,10 +155,6 @@ class HostBudget:
 BUDGET = HostBudget()
 
 
-# cudaHostRegister flags: the device only reads the pages (what a read-only file mapping allows)
-_REGISTER_READ_ONLY = 8
-
-
 def _host_register(buf) -> bool:
     """Page-lock an ordinary allocation. Unlike ``pin_memory=True`` (PyTorch's caching host
     allocator keeps freed pinned blocks for reuse), registered pages go back to the OS as soon
@@ -223,26 +219,6 @@ class HostPool:
         with _lock:
             _live += nbytes
         return buf
-
-    def register(self, ptr: int, nbytes: int, keep) -> bool:
-        """Page-lock ``nbytes`` of someone else's memory at ``ptr`` in place (e.g. another model's
-        tensors in a memory-mapped file), read-only for the device, within the budget; ``keep``
-        (the tensors that own it) is held until released, so the range stays mapped while locked.
-        False where the budget has no room or the OS refuses."""
-        global _live, _pins
-        if not self.pin or nbytes > self.room():
-            return False
-        if torch.cuda.cudart().cudaHostRegister(ptr, nbytes, _REGISTER_READ_ONLY) != 0:
-            torch.cuda.cudart().cudaGetLastError()  # clear the error for the next CUDA call
-            return False
-        _pins += 1
-        self._held[ptr] = nbytes
-        self._buffers.append(keep)
-        self.used += nbytes
-        BUDGET._count(self.owner, nbytes)
-        with _lock:
-            _live += nbytes
-        return True
 
     def report(self, what: str):
         """Log the buffers pinned since the last report, in one line (the benchmarks count these)."""

@@ -47,16 +47,6 @@ def _param_slots(layer) -> dict:
             for prefix, m in layer.named_modules() for name, p in m._parameters.items() if p is not None}
 
 
-def _span(tensors):
-    """(start, bytes, tensors) of the host range the tensors fill when they lie together in one
-    range (at most 10% of it other bytes), else None."""
-    if any(t.device.type != "cpu" or t.is_meta for t in tensors):
-        return None
-    lo = min(t.data_ptr() for t in tensors)
-    hi = max(t.data_ptr() + t.nbytes for t in tensors)
-    return (lo, hi - lo, tensors) if hi - lo <= 1.1 * sum(t.nbytes for t in tensors) else None
-
-
 def _ids_to_host(table, args):
     return (args[0].cpu(),) + args[1:]
 
@@ -78,8 +68,6 @@ class StreamedStack:
         self.layout = PackLayout({k: tuple(t.shape) for k, t in params[0].items()}, dtypes.pop())
         sources = [{k: [(0, copy_source(t))] for k, t in p.items()} for p in params]
         self.streamer = LayerStreamer(self.layout, sources, self.device, pool, on_master=self._own_master)
-        self._span = _span([t for p in params for t in p.values()])
-        self._tried_in_place = False
         self.n_slots = min(slots, len(self.layers))
         inside = {id(m) for m in self.layers.modules()}
         # tables the model keeps in host memory (not on the meta device, which the file left empty)
@@ -106,9 +94,6 @@ class StreamedStack:
         Not some resident and the rest streamed: every prompt would cross the bus as much, with
         fewer uploads hidden behind the compute. ``loaded_bytes`` stays what it needs at least:
         resident layers take only memory nobody holds, and unloading is free."""
-        if not self._tried_in_place:
-            self._tried_in_place = True
-            self._pin_in_place()
         self.outside.load()
         if not (self.streamer.slots or self.streamer.resident):
             self.streamer.configure(self._resident_layers(), self.n_slots)
@@ -159,16 +144,6 @@ class StreamedStack:
                 for k, (m, n) in slots.items():
                     m._parameters[n] = own[k]
             self._running = None
-
-    def _pin_in_place(self):
-        """Where the layers' tensors lie together in one range of host memory (ComfyUI's memory-
-        mapped file, with Dynamic VRAM), page-lock that range as it is, within the host budget:
-        uploads then run from the model's own tensors at full bus speed, and nothing is copied."""
-        if self._span is None or self.device.type != "cuda":
-            return
-        lo, size, tensors = self._span
-        if self.pool.register(lo, size, keep=tensors):
-            self.streamer.sources_pinned = True
 
     def _own_master(self, i, buf):
         """Layer i's packed master becomes the storage of its parameters, and its source: the

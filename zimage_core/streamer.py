@@ -78,16 +78,15 @@ class PackLayout:
         o = self.offsets[name]
         return flat[o:o + math.prod(shape)].view(shape)
 
-    def fill(self, flat, pieces: dict, pinned=False):
+    def fill(self, flat, pieces: dict):
         """Copy pieces {name: [(row, tensor or StoredTensor)]} into ``flat`` (casting to its dtype);
-        a ``StoredTensor`` is read from its file straight into host memory. ``pinned``: the
-        tensors are page-locked, so copies to the device need not wait."""
+        a ``StoredTensor`` is read from its file straight into host memory."""
         stored = []
         for name, parts in pieces.items():
             dst = self.region(flat, name)
             for row, t in parts:
                 if isinstance(t, torch.Tensor):
-                    dst[row:row + t.shape[0]].copy_(t, non_blocking=flat.is_cuda and (pinned or t.is_pinned()))
+                    dst[row:row + t.shape[0]].copy_(t, non_blocking=flat.is_cuda and t.is_pinned())
                 else:
                     stored.append((t, dst[row:row + t.shape[0]]))
         read_many(stored)
@@ -129,7 +128,6 @@ class LayerStreamer:
         self.n_layers = len(sources)
         self.sources = sources
         self.on_master = on_master
-        self.sources_pinned = False              # the sources are page-locked in place: no masters
         self.order = residency_order(self.n_layers)
         self.host = [None] * self.n_layers      # packed host masters (pinned where possible)
         self.resident = {}                     # layer -> packed device buffer
@@ -192,9 +190,6 @@ class LayerStreamer:
     def _upload(self, i, dst, master=True):
         """Layer i into ``dst``: from its host master, or without one from its source. With
         ``master`` (a streamed layer) the layer first gets a master if the pool has room."""
-        if self.host[i] is None and self.sources_pinned:
-            self.layout.fill(dst, self.sources[i], pinned=True)
-            return
         if self.host[i] is None and master:
             self._make_master(i)
         if self.host[i] is not None:
