@@ -1,4 +1,5 @@
-"""The planner: fewer resident layers for larger images, more with more memory; CLI output."""
+"""The planner: fewer resident layers for larger images, more with more memory; host RAM planned
+beside the GPU (which streamed layers are pinned, which come from the page cache); CLI output."""
 import json
 import os
 import subprocess
@@ -9,7 +10,7 @@ import torch
 
 from conftest import TINY
 from zimage_core.config import FULL
-from zimage_core.planner import plan, simulate_step
+from zimage_core.planner import host_room, plan, simulate_step
 
 GiB = 1 << 30
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -75,6 +76,33 @@ def _cli(*args):
                           text=True, timeout=120)
 
 
+def test_streamed_layers_are_pinned_as_far_as_the_host_room_allows():
+    layer = plan(FULL, int(7.5 * GiB), 1024, 1024).layer_bytes
+    for rooms in (None, 100 * GiB, 5 * layer, layer - 1, 0, -GiB):
+        p = plan(FULL, int(7.5 * GiB), 1024, 1024, host_room=rooms)
+        assert p.pinned_layers + p.file_layers == p.streamed_layers
+        want = p.streamed_layers if rooms is None else min(p.streamed_layers, max(0, rooms) // layer)
+        assert p.pinned_layers == want and p.pinned_host_bytes == want * layer
+        assert ("from the page cache" in p.summary()) == (p.file_layers > 0)
+    # the host side never changes the device side
+    assert len({(plan(FULL, int(7.5 * GiB), 1024, 1024, host_room=r).resident_layers) for r in (None, 0)}) == 1
+
+
+@pytest.mark.parametrize("ram, headroom", [(14, 2.0), (28, 2.8), (120, 10.0)])
+def test_host_room_keeps_comfyuis_headroom_and_the_working_memory(ram, headroom):
+    h = host_room(FULL, ram * GiB)
+    assert h.headroom == pytest.approx(headroom * GiB, abs=1)
+    assert h.layers == ram * GiB - h.headroom - h.working - h.fixed
+    assert h.fixed > 2 * plan(FULL, 0, 1024, 1024).layer_bytes  # two staging buffers and the fixed part
+
+
+def test_a_16_gb_machine_pins_less_than_a_32_gb_one():
+    small, large = (plan(FULL, int(5.5 * GiB), 1024, 1024, host_room=host_room(FULL, g * GiB).layers)
+                    for g in (6, 28))
+    assert small.file_layers > 0 and large.file_layers == 0
+    assert small.pinned_layers < large.pinned_layers == large.streamed_layers
+
+
 def test_plan_command():
     r = _cli("plan", "--vram-gib", "11.5", "--width", "1024", "--height", "1024", "--json")
     assert r.returncode == 0, r.stderr
@@ -84,6 +112,10 @@ def test_plan_command():
     assert p["resident_layers"] + p["streamed_layers"] == FULL.n_blocks
     text = _cli("plan", "--vram-gib", "7.5")
     assert text.returncode == 0 and "layers on the GPU" in text.stdout and "pinned host bytes" in text.stdout
+    ram = _cli("plan", "--vram-gib", "2.8", "--ram-gib", "6")
+    assert ram.returncode == 0 and "from the page cache" in ram.stdout and "host RAM available   6.00 GiB" in ram.stdout
+    host = json.loads(_cli("plan", "--vram-gib", "7.5", "--ram-gib", "28", "--json").stdout)["host"]
+    assert host["available"] == 28 * GiB and host["layers"] > 0
     bad = _cli("plan", "--vram-gib", "8", "--width", "1000")
     assert bad.returncode != 0 and "multiples of 16" in bad.stderr
 
