@@ -11,7 +11,7 @@ session (a server with ComfyUI's full-size text encoder holds several GB):
 
 Weights (random values, real key layouts, cached under the system temp dir between sessions):
 - `diffusion_models/z_image_turbo_bf16.safetensors`: dim 3840 with ONE main layer, written by
-  `zimage_core.random_weights` (ComfyUI detects it as Z-Image).
+  `tools.random_weights` (ComfyUI detects it as Z-Image).
 - `text_encoders/qwen_3_4b.safetensors` (Qwen3-4B, 2 of 36 layers) and `vae/ae.safetensors` (Flux
   AE): written by `comfy_te_vae_weights.py` from ComfyUI's own classes.
 
@@ -83,14 +83,14 @@ def transformer_weights():
     """The dim-3840, one-layer transformer (ComfyUI key layout), cached by the writer's source."""
     import torch
 
-    core = os.path.join(ROOT, "zimage_core")
-    key = _digest(*(os.path.join(core, f) for f in ("random_weights.py", "checkpoint.py", "config.py")))
+    key = _digest(*(os.path.join(ROOT, f) for f in ("tools/random_weights.py", "zimage_core/checkpoint.py",
+                                                     "zimage_core/config.py")))
     folder = os.path.join(cache_root(), f"transformer-{key}")
     path = os.path.join(folder, UNET)
     with _locked(folder):
         if not os.path.isfile(path):
             from zimage_core.config import ZImageConfig
-            from zimage_core.random_weights import write_checkpoint
+            from tools.random_weights import write_checkpoint
 
             tmp = os.path.join(folder, f"tmp-{os.getpid()}.safetensors")
             write_checkpoint(tmp, ZImageConfig(n_layers=1), dtype=torch.bfloat16)

@@ -8,7 +8,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from zimage_core.config import ZImageConfig  # noqa: E402
-from zimage_core.random_weights import write_checkpoint  # noqa: E402
+from tools.random_weights import write_checkpoint  # noqa: E402
 # the ComfyUI server fixtures, here so that all test modules share one server per session
 from comfy_server import comfy_base_dir, comfy_server  # noqa: E402,F401
 

@@ -10,7 +10,7 @@ from conftest import TINY
 from zimage_core import host_memory
 from zimage_core.checkpoint import Checkpoint, expected_shapes
 from zimage_core.errors import CheckpointError
-from zimage_core.random_weights import write_checkpoint, write_safetensors
+from tools.random_weights import write_checkpoint, write_safetensors
 from zimage_core.transformer import ZImageTransformer
 
 LAYOUTS = [("comfyui", 1), ("comfyui-prefixed", 1), ("diffusers", 1), ("diffusers", 3)]

@@ -1,5 +1,5 @@
-"""The command lines a user meets: `python -m zimage_core` and `workflows/api/run.py`. Every bad input
-gives one line and a non-zero exit status.
+"""The command lines: `python -m zimage_core` (plan), `python -m tools` (bench, random-weights) and
+`workflows/api/run.py`. Every bad input gives one line and a non-zero exit status.
 
 Starting `python -m zimage_core` imports torch (seconds), so most cases call its `main()` in this
 process; the subprocess cases check the real entry point, run concurrently."""
@@ -15,18 +15,26 @@ import threading
 import pytest
 
 from conftest import TINY
+from tools import __main__ as tools_cli
 from zimage_core import __main__ as cli
-from zimage_core import random_weights
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUN_PY = os.path.join(ROOT, "workflows", "api", "run.py")
 BAD_ARGS = 2  # argparse's exit status
 
 
+TOOL_COMMANDS = ("bench", "random-weights")
+
+
+def main_for(argv):
+    return tools_cli.main if argv and argv[0] in TOOL_COMMANDS else cli.main
+
+
 def run_main(argv, capsys):
-    """(exit status, stdout, stderr) of cli.main(argv), as the interpreter would report them."""
+    """(exit status, stdout, stderr) of the command line's main(argv), as the interpreter would
+    report them."""
     try:
-        cli.main(argv)
+        main_for(argv)(argv)
         code = 0
     except SystemExit as e:
         code = e.code
@@ -69,14 +77,15 @@ def one_line(text):
     (["random-weights", "x.ckpt"], [".safetensors"]),
     (["random-weights", "x.safetensors", "--layers", "0"], ["--layers", "give 1 to 64"]),
     (["plan", "--no-such-option"], ["unrecognized arguments"]),
-    ([], ["required", "plan|random-weights|bench"]),
+    ([], ["required", "plan"]),
 ])
 def test_bad_arguments(argv, words, capsys):
     code, out, err = run_main(argv, capsys)
     line = one_line(err)
     assert code == BAD_ARGS, (code, err)
     assert not out
-    assert line.startswith("python -m zimage_core") and "error:" in line, line
+    prog = "python -m tools" if argv and argv[0] in TOOL_COMMANDS else "python -m zimage_core"
+    assert line.startswith(prog) and "error:" in line, line
     for w in words:
         assert w in line, (w, line)
 
@@ -105,7 +114,7 @@ def test_help_texts(capsys):
                                     "one JSON object per line"]),
                          ("random-weights", ["the .safetensors file to write", "main transformer layers"])):
         with pytest.raises(SystemExit) as e:
-            cli.main([cmd, "--help"])
+            main_for([cmd])([cmd, "--help"])
         assert e.value.code == 0
         text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
         for phrase in phrases:
@@ -114,8 +123,8 @@ def test_help_texts(capsys):
 
 def test_random_weights_creates_the_folder(tmp_path, monkeypatch, capsys):
     """A folder that does not exist is created (full-size weights would take a minute: the tiny config)."""
-    real = random_weights.write_checkpoint
-    monkeypatch.setattr(random_weights, "write_checkpoint", lambda path, cfg, **kw: real(path, TINY, **kw))
+    real = tools_cli.write_checkpoint
+    monkeypatch.setattr(tools_cli, "write_checkpoint", lambda path, cfg, **kw: real(path, TINY, **kw))
     out = tmp_path / "new" / "deeper" / "z.safetensors"
     code, stdout, err = run_main(["random-weights", str(out), "--dtype", "fp32"], capsys)
     assert code == 0, err

@@ -4,7 +4,7 @@ import torch
 
 from comfy_env import needs_comfyui, run_check
 from conftest import TINY
-from zimage_core.random_weights import write_checkpoint
+from tools.random_weights import write_checkpoint
 
 
 @needs_comfyui

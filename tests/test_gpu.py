@@ -4,7 +4,7 @@ import torch
 
 from conftest import TINY, inputs
 from zimage_core import host_memory
-from zimage_core.schedule import euler_sample
+from tools.schedule import euler_sample
 from zimage_core.transformer import ZImageTransformer
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -72,7 +72,8 @@ def test_spread_resident_layers_need_fewer_slots_than_a_block():
 
 
 def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "zimage_core", *args], cwd=ROOT, capture_output=True,
+    package = "tools" if args[0] in ("bench", "random-weights") else "zimage_core"
+    return subprocess.run([sys.executable, "-m", package, *args], cwd=ROOT, capture_output=True,
                           text=True, timeout=120)
 
 

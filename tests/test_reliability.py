@@ -8,7 +8,7 @@ from zimage_core import host_memory, planner, transformer
 from zimage_core.checkpoint import Checkpoint, expected_shapes
 from zimage_core.config import FULL
 from zimage_core.errors import CheckpointError, OutOfDeviceMemory
-from zimage_core.random_weights import write_checkpoint
+from tools.random_weights import write_checkpoint
 from zimage_core.transformer import ZImageTransformer
 
 

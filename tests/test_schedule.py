@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from zimage_core.model import another_forward_follows
-from zimage_core.schedule import shifted, sigmas
+from tools.schedule import shifted, sigmas
 
 
 def test_sigmas_run_from_one_to_zero_shifted():

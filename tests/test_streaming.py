@@ -7,7 +7,7 @@ from conftest import TINY, inputs
 from zimage_core import host_memory
 from zimage_core.errors import OutOfDeviceMemory
 from zimage_core.host_memory import HostPool
-from zimage_core.schedule import euler_sample
+from tools.schedule import euler_sample
 from zimage_core.streamer import LayerStreamer, PackLayout, residency_order
 from zimage_core.transformer import ZImageTransformer
 
@@ -149,7 +149,7 @@ def test_layers_without_masters_come_through_staging_with_the_files_bytes(tiny_f
 
 
 def test_fp8_storage_streams_and_matches_upcast_weights(tmp_path):
-    from zimage_core.random_weights import write_checkpoint
+    from tools.random_weights import write_checkpoint
     path = str(tmp_path / "fp8.safetensors")
     write_checkpoint(path, TINY, dtype=torch.float8_e4m3fn, seed=2)
     m = ZImageTransformer.load(path, device="cpu", dtype="bf16")

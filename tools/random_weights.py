@@ -11,9 +11,9 @@ import struct
 
 import torch
 
-from .checkpoint import COMFY_PREFIX, expected_shapes
-from .config import ZImageConfig
-from .safetensors_file import DTYPES
+from zimage_core.checkpoint import COMFY_PREFIX, expected_shapes
+from zimage_core.config import ZImageConfig
+from zimage_core.safetensors_file import DTYPES
 
 _NAMES = {v: k for k, v in DTYPES.items()}
 

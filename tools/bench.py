@@ -16,9 +16,9 @@ import time
 
 import torch
 
-from . import host_memory
+from zimage_core import host_memory
 from .schedule import euler_sample
-from .transformer import ZImageTransformer
+from zimage_core.transformer import ZImageTransformer
 
 
 def _sync(dev):

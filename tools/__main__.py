@@ -1,0 +1,141 @@
+"""python -m tools bench | random-weights: the core benchmark (median step against its bound, in one
+process) and the random-weight generator. Run from the repository's root."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+from zimage_core.__main__ import GiB, MAX_SIDE, _Parser, count, gib, side
+from zimage_core.config import ZImageConfig
+from zimage_core.errors import ZImageError
+
+from . import bench
+from .random_weights import write_checkpoint
+
+
+def layer_list(text):
+    """--resident-layers: 30 or 30,18,0."""
+    try:
+        return [count(0)(v) for v in text.split(",")]
+    except argparse.ArgumentTypeError as e:
+        raise argparse.ArgumentTypeError(f"{text!r}: {e}; give layer counts separated by commas, e.g. 30,18,0") from None
+
+
+def device(text):
+    try:
+        d = torch.device(text)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a device: give cpu, cuda or cuda:N") from None
+    if d.type == "cuda" and not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError(f"{text!r}: no CUDA device here: give cpu or leave --device out")
+    return text
+
+
+def weights_file(text):
+    if not os.path.isfile(text):
+        raise argparse.ArgumentTypeError(f"no such file: {text}")
+    return text
+
+
+def checkpoint_out(text):
+    if os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text} is a folder: give a file name in it, e.g. "
+                                         f"{os.path.join(text, 'z_image_turbo_bf16.safetensors')}")
+    if not text.endswith((".safetensors", ".sft")):
+        raise argparse.ArgumentTypeError(f"{text}: name it .safetensors (ComfyUI lists only .safetensors and .sft files)")
+    return text
+
+
+def _random(a):
+    cfg = ZImageConfig(n_layers=a.layers)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
+             "fp8_e4m3fn": torch.float8_e4m3fn}[a.dtype]
+    folder = os.path.dirname(os.path.abspath(a.out))
+    if not os.path.isdir(folder):
+        try:
+            os.makedirs(folder)
+        except OSError as e:
+            sys.exit(f"error: cannot create the folder {folder}: {e.strerror}")
+        print(f"created {folder}")
+    out = write_checkpoint(a.out, cfg, dtype=dtype, seed=a.seed, device=a.device)
+    print(f"wrote {out[0]} ({cfg.n_layers} layers, {a.dtype}, {cfg.total_params() / 1e9:.2f} B parameters)")
+
+
+def _bench(a):
+    results = bench.run(a.weights, a.width, a.height, a.steps, a.seed, a.resident_layers or [None], a.device,
+                        a.resident, card_gib=a.simulate_card_gib)
+    for r in results:
+        if a.json:
+            print(json.dumps(r))
+        else:
+            _print_bench(r)
+
+
+def _print_bench(r):
+    ms = lambda s: f"{s * 1e3:.1f} ms"
+    gbs = lambda b: f"{b / 1e9:.1f} GB/s" if b else "n/a"
+    card = f"  card {r['card_gib']} GiB free" if r["card_gib"] else ""
+    print(f"{r['device']}{card}  {r['width']}x{r['height']}  {r['steps']} steps")
+    print(f"  resident layers     {r['resident_layers']} ({r['streamed_layers']} streamed, {r['slots']} slots)")
+    if "load_s" in r:
+        print(f"  load                {r['load_s']:.2f} s")
+    print(f"  first forward       {r['first_forward_s']:.2f} s ({r['prepare_s']:.2f} s setting the split; masters packed: "
+          f"{r['pinned_layers']} pinned, {r['file_layers']} from the file)")
+    print(f"  median step         {ms(r['median_step_s'])} (first {ms(r['first_step_s'])}; "
+          f"{r['pin_calls_in_steps']} pin calls)")
+    print(f"  compute alone       {ms(r['compute_step_s'])}")
+    print(f"  streamed per step   {r['streamed_bytes_per_step'] / 1e9:.2f} GB")
+    print(f"  copy bandwidth      {gbs(r['copy_bandwidth_Bps'])} (pinned alone {gbs(r['pinned_bandwidth_Bps'])})")
+    print(f"  bound               {ms(r['bound_s'])}  ratio {r['ratio_to_bound']:.3f}")
+    if "resident_median_step_s" in r:
+        print(f"  resident step       {ms(r['resident_median_step_s'])}  ratio {r['ratio_to_resident']:.3f}")
+    if "measured_activation_bytes" in r:
+        print(f"  activations         {r['measured_activation_bytes'] / GiB:.2f} GiB measured, "
+              f"{r['planned_activation_bytes'] / GiB:.2f} GiB planned")
+    print(f"  output_sha256       {r['output_sha256']}")
+    if "resident_output_sha256" in r:
+        same = "identical" if r["resident_output_sha256"] == r["output_sha256"] else "DIFFERENT"
+        print(f"  resident sha256     {r['resident_output_sha256']} ({same})")
+
+
+def main(argv=None):
+    ap = _Parser(prog="python -m tools")
+    sub = ap.add_subparsers(dest="cmd", required=True, metavar="random-weights|bench")
+    r = sub.add_parser("random-weights", help="write a full-size random checkpoint (ComfyUI layout)")
+    r.add_argument("out", type=checkpoint_out,
+                   help="the .safetensors file to write (its folder is created if missing)")
+    r.add_argument("--layers", type=count(1, 64), default=30, help="main transformer layers (default 30)")
+    r.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32", "fp8_e4m3fn"])
+    r.add_argument("--seed", type=count(0, 2**64 - 1), default=0)
+    r.add_argument("--device", type=device, default="cpu", help="where to draw the random numbers (cuda is faster)")
+    r.set_defaults(fn=_random)
+    b = sub.add_parser("bench", help="median step time against its bound")
+    b.add_argument("--weights", type=weights_file, required=True,
+                   help="a Z-Image transformer .safetensors file (e.g. from random-weights)")
+    b.add_argument("--width", type=side, default=1024,
+                   help=f"image width in pixels, a multiple of 16 up to {MAX_SIDE} (default 1024)")
+    b.add_argument("--height", type=side, default=1024,
+                   help=f"image height in pixels, a multiple of 16 up to {MAX_SIDE} (default 1024)")
+    b.add_argument("--steps", type=count(1, 200), default=8, help="timed steps (default 8)")
+    b.add_argument("--seed", type=count(0, 2**64 - 1), default=0)
+    b.add_argument("--resident-layers", type=layer_list,
+                   help="force the split; a comma list (e.g. 30,18,0) runs several in one process")
+    b.add_argument("--simulate-card-gib", type=gib(lo_exclusive=True),
+                   help="hold the rest of the GPU in another process so only this much stays free")
+    b.add_argument("--resident", action="store_true", help="also run everything resident, same process")
+    b.add_argument("--device", type=device, help="cpu or cuda[:N] (default: cuda where there is one)")
+    b.add_argument("--json", action="store_true", help="print each result as one JSON object per line")
+    b.set_defaults(fn=_bench)
+    a = ap.parse_args(argv)
+    try:
+        a.fn(a)
+    except (ZImageError, OSError) as e:
+        sys.exit(f"error: {e}")
+
+
+if __name__ == "__main__":
+    main()
