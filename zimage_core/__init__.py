@@ -1,4 +1,4 @@
-"""Z-Image-Turbo transformer core: checkpoint reading, layer streaming, planning, sampling.
+"""Z-Image-Turbo transformer core: checkpoint reading, layer streaming, planning, host memory.
 Imports only torch (and the standard library); ComfyUI is met in ``zimage_core.comfy``."""
 from .checkpoint import Checkpoint
 from .config import ZImageConfig
