@@ -65,9 +65,9 @@ class ZImageModelLoader(io.ComfyNode):
     def execute(cls, unet_name, weight_dtype, vram, resident_layers, leave_free_gb):
         number("leave_free_gb", leave_free_gb, 0.0, MAX_LEAVE_FREE, "GiB of GPU memory to leave free; 0 leaves none")
         path = folder_paths.get_full_path_or_raise("diffusion_models", unet_name)
-        model = zcomfy.load_model(path, weight_dtype=weight_dtype,
-                                  max_resident=resident_layers if vram == "max_resident_layers" else None,
-                                  leave_free_gib=leave_free_gb if vram == "leave_free_gb" else 0.0)
+        settings = zcomfy.Settings(max_resident=resident_layers if vram == "max_resident_layers" else None,
+                                   leave_free=int((leave_free_gb if vram == "leave_free_gb" else 0.0) * (1 << 30)))
+        model = zcomfy.load_model(path, weight_dtype=weight_dtype, settings=settings)
         t = model.zimage
         n = t.cfg.n_blocks
         held = "read from the file as the first image needs them" if t.streamer.cuda else "in host memory (CPU)"

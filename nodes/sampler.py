@@ -1,3 +1,5 @@
+import contextlib
+
 import comfy.model_management
 import comfy.model_sampling
 import comfy.sample
@@ -95,9 +97,8 @@ class ZImageSampler(io.ComfyNode):
         number("shift", shift, 0.0, MAX_SHIFT, "Z-Image-Turbo uses 3")
         node = node_id(cls)
         transformer = getattr(model, "zimage", None)
-        if transformer is not None:
-            transformer.on_split_change = lambda text: show(node, text)
-        try:
+        # the split's status goes to this node while it samples
+        with contextlib.nullcontext() if transformer is None else transformer.status_to(lambda text: show(node, text)):
             latent = torch.zeros([batch_size, 16, height // 8, width // 8], device=comfy.model_management.intermediate_device())
             latent = comfy.sample.fix_empty_latent_channels(model, latent)
             noise = comfy.sample.prepare_noise(latent, seed)
@@ -106,8 +107,5 @@ class ZImageSampler(io.ComfyNode):
                                           denoise=1.0, sigmas=shifted_sigmas(model, scheduler, steps, shift),
                                           callback=latent_preview.prepare_callback(model, steps),
                                           disable_pbar=not comfy.utils.PROGRESS_BAR_ENABLED, seed=seed)
-        finally:
-            if transformer is not None:
-                transformer.on_split_change = None
         finite_latent(samples, "The image came out non-finite (NaN or infinity) after sampling")
         return io.NodeOutput({"samples": samples})

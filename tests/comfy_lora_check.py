@@ -3,6 +3,7 @@
     python comfy_lora_check.py COMFYUI_PATH WEIGHTS FP8_WEIGHTS OUT.json
 Writes the measurements the test asserts on.
 """
+import dataclasses
 import json
 import logging
 import sys
@@ -131,9 +132,10 @@ for name, (sd, merged) in variants.items():
     r["vs_merged"] = rel(out, x - ref_out * sigma)  # apply_model returns the denoised latent
     for k in merged:
         reference.set_weight(k, reference.base_weight(k))
-    p.zimage.max_resident = 0  # the same LoRA with every layer streamed
+    settings = p.zimage.settings
+    p.zimage.settings = dataclasses.replace(settings, max_resident=0)  # the same LoRA with every layer streamed
     streamed = run(p)
-    p.zimage.max_resident = None
+    p.zimage.settings = settings
     r["streamed_equal"] = bool(torch.equal(streamed, out))
     results[name] = r
 
@@ -149,7 +151,7 @@ f8 = zc.load_model(fp8_weights)
 t8 = f8.zimage
 n8 = native_model(fp8_weights, torch.float8_e4m3fn, t8.dtype)
 out8 = run(f8)
-t8.max_resident = 0
+t8.settings = dataclasses.replace(t8.settings, max_resident=0)
 streamed8 = run(f8)
 results["fp8"] = {"storage": str(t8.storage_dtype), "compute": str(t8.dtype), "vs_native": rel(out8, run(n8)),
                   "streamed_equal": bool(torch.equal(streamed8, out8)),

@@ -11,7 +11,7 @@ from zimage_core import host_memory
 from zimage_core.checkpoint import Checkpoint, expected_shapes
 from zimage_core.errors import CheckpointError
 from tools.random_weights import write_checkpoint, write_safetensors
-from zimage_core.transformer import ZImageTransformer
+from zimage_core.transformer import Settings, ZImageTransformer
 
 LAYOUTS = [("comfyui", 1), ("comfyui-prefixed", 1), ("diffusers", 1), ("diffusers", 3)]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn]
@@ -246,7 +246,7 @@ def test_file_changed_after_loading_is_an_error_not_a_crash(tmp_path, tiny_file)
     p = tmp_path / "live.safetensors"
     shutil.copy(tiny_file, p)
     before = host_memory.live_bytes()
-    t = ZImageTransformer.load(str(p), device="cpu", dtype="fp32", pinned_cap=0)  # every layer read from the file
+    t = ZImageTransformer.load(str(p), device="cpu", dtype="fp32", settings=Settings(pinned_cap=0))  # every layer read from the file
     t.prepare(64, 48, resident_layers=1)  # the other layers are read at every step
     x, ts, ctx = inputs(t.cfg)
     t(x, ts, ctx)

@@ -5,7 +5,7 @@ import torch
 from conftest import TINY, inputs
 from zimage_core import host_memory
 from tools.schedule import euler_sample
-from zimage_core.transformer import ZImageTransformer
+from zimage_core.transformer import Settings, ZImageTransformer
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -51,7 +51,7 @@ def test_offload_frees_the_device_and_comes_back_identical(tiny_file):
 
 def test_layers_past_the_pinned_cap_are_read_from_the_file_identically(tiny_file):
     """No pinned master: every upload reads the file into staging, and the bits are the same."""
-    m = ZImageTransformer.load(tiny_file, device="cuda", dtype="bf16", pinned_cap=0)
+    m = ZImageTransformer.load(tiny_file, device="cuda", dtype="bf16", settings=Settings(pinned_cap=0))
     assert m.streamer.pinned_layers == 0
     x, _, ctx = inputs(TINY, width=128, height=96)
     m.prepare(128, 96, resident_layers=TINY.n_blocks)

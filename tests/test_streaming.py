@@ -1,5 +1,7 @@
 """Streamed output is bit-identical to resident output for every split, through eviction,
 promotion and the out-of-memory evict-and-retry path."""
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -9,7 +11,7 @@ from zimage_core.errors import OutOfDeviceMemory
 from zimage_core.host_memory import HostPool
 from tools.schedule import euler_sample
 from zimage_core.streamer import LayerStreamer, PackLayout, residency_order
-from zimage_core.transformer import ZImageTransformer
+from zimage_core.transformer import Settings, ZImageTransformer
 
 
 @pytest.fixture(scope="module", params=["fp32", "bf16"])
@@ -81,21 +83,21 @@ def test_out_of_memory_evicts_and_retries(tiny_file):
         m.prepare(64, 48, resident_layers=TINY.n_blocks)
         ref = m(x, t, ctx)
         splits = []
-        m.on_split_change = splits.append
-        m.memory_limit = 1  # far too little: must end with everything streamed
-        with pytest.raises(OutOfDeviceMemory, match="even with every layer streamed"):
+        m.settings = replace(m.settings, device_budget=1)  # far too little: must end with everything streamed
+        with pytest.raises(OutOfDeviceMemory, match="even with every layer streamed"), m.status_to(splits.append):
             m(x, t, ctx)
         assert m.streamer.n_resident == 0
         # a budget that holds two resident layers less than all of them
-        m.memory_limit = None
+        m.settings = replace(m.settings, device_budget=None)
         m.prepare(64, 48, resident_layers=TINY.n_blocks)
         layer = m.streamer.layout.nbytes
         from zimage_core import planner
         act = planner.activation_bytes(TINY, 64, 48, 1, dtype=torch.float32, storage=torch.float32)
         fixed = TINY.fixed_params() * 4
-        m.memory_limit = fixed + act + (TINY.n_blocks - 1) * layer
+        m.settings = replace(m.settings, device_budget=fixed + act + (TINY.n_blocks - 1) * layer)
         splits.clear()
-        out = m(x, t, ctx)
+        with m.status_to(splits.append):
+            out = m(x, t, ctx)
         assert torch.equal(out, ref)
         assert 0 < m.streamer.n_resident < TINY.n_blocks
         assert m.streamer.device_bytes <= (TINY.n_blocks - 1) * layer
@@ -111,7 +113,7 @@ def test_masters_are_made_at_first_upload_within_the_cap_and_released(tiny_file)
     layer = PackLayout(TINY, torch.float32).nbytes
     fixed = TINY.fixed_params() * 4
     before = host_memory.live_bytes()
-    m = ZImageTransformer.load(tiny_file, device="cpu", dtype="fp32", pinned_cap=fixed + 2 * layer)
+    m = ZImageTransformer.load(tiny_file, device="cpu", dtype="fp32", settings=Settings(pinned_cap=fixed + 2 * layer))
     assert m.streamer.master_layers == 0 and host_memory.live_bytes() - before == fixed
     x, t, ctx = inputs(TINY)
     m.prepare(64, 48, resident_layers=TINY.n_blocks)
@@ -132,7 +134,7 @@ def test_layers_without_masters_come_through_staging_with_the_files_bytes(tiny_f
     from zimage_core.checkpoint import Checkpoint
     fixed = TINY.fixed_params() * 4
     x, t, ctx = inputs(TINY)
-    m = ZImageTransformer.load(tiny_file, device="cpu", dtype="fp32", pinned_cap=fixed)
+    m = ZImageTransformer.load(tiny_file, device="cpu", dtype="fp32", settings=Settings(pinned_cap=fixed))
     m.prepare(64, 48, resident_layers=TINY.n_blocks)
     ref = m(x, t, ctx)
     m.prepare(64, 48, resident_layers=0)

@@ -31,7 +31,7 @@ from .device_copies import DeviceCopies, module_tensors
 from .config import ZImageConfig
 from .host_memory import BUDGET, HostPool, available_ram, cache_headroom, environment_cap, total_ram
 from .stack_streaming import StreamedStack, UnsupportedStack
-from .transformer import COMPUTE_DTYPES, STORAGE_DTYPES, ZImageTransformer
+from .transformer import COMPUTE_DTYPES, STORAGE_DTYPES, Settings, ZImageTransformer
 
 log = logging.getLogger("zimage")
 _DTYPE_NAMES = {v: k for k, v in COMPUTE_DTYPES.items()}
@@ -46,13 +46,11 @@ def comfy_attention(q, k, v, heads):
 class ZImageModel(comfy.model_base.Lumina2):
     """ComfyUI's Lumina2 base model over the streamed transformer. Its memory estimate (what the
     samplers ask before loading) is the transformer's activation estimate: ComfyUI's factor-based
-    one is several times larger and would make it evict layers for nothing. The call also tells
-    the transformer the size of the coming image, which its plan is for."""
+    one is several times larger and would make it evict layers for nothing."""
 
     def memory_required(self, input_shape, cond_shapes={}):
         t = self.diffusion_model
         b, h, w = input_shape[0], input_shape[-2] * 8, input_shape[-1] * 8
-        t.expected = (w, h, b)
         return planner.activation_bytes(t.cfg, w, h, b, dtype=t.dtype, storage=t.storage_dtype)
 
     def extra_conds(self, **kwargs):
@@ -81,13 +79,15 @@ class ZImagePatcher(comfy.model_patcher.ModelPatcher):
         return self.zimage.device_bytes()
 
     def load(self, device_to=None, lowvram_model_memory=0, force_patch_weights=False, full_load=False, **kwargs):
-        """Fixed part to the GPU, this patcher's weight patches in place, then as many layers as the
-        plan for the coming image allows. ComfyUI has already freed what it could for us; the plan
-        reads the real free memory."""
+        """Fixed part to the GPU, this patcher's weight patches in place, then as many layers as a
+        plan for the last image's size allows (ComfyUI has already freed what it could for us; the
+        plan reads the real free memory). ComfyUI does not tell a loading model the coming size:
+        the first forward plans for it, and plans again if it differs from the last."""
         t = self.zimage
         t.to_device()
         self._apply_patches()
-        t.prepare(*t.expected)
+        if t.plan is not None:
+            t.prepare(t.plan.width, t.plan.height, t.plan.batch)
         self._sync()
 
     def partially_load(self, device_to, extra_memory=0, force_patch_weights=False):
@@ -317,7 +317,7 @@ def unet_config(cfg):
             "pad_tokens_multiple": cfg.pad_multiple, "disable_unet_model_creation": True}
 
 
-def load_model(path, weight_dtype="default", max_resident=None, leave_free_gib=0.0):
+def load_model(path, weight_dtype="default", settings: Settings = Settings()):
     """A Z-Image MODEL backed by the streaming core; dtypes chosen as ComfyUI's UNETLoader does."""
     load_device = mm.get_torch_device()
     offload_device = mm.unet_offload_device()
@@ -338,11 +338,9 @@ def load_model(path, weight_dtype="default", max_resident=None, leave_free_gib=0
     _plan_host_budget(load_device)
     # an interrupt is seen between blocks (and, on the CPU, between pieces of one), not only between steps
     t = ZImageTransformer.load(path, device=load_device, dtype=_DTYPE_NAMES[compute], weight_dtype=storage_name,
-                               initial_device=offload_device,
+                               settings=settings, initial_device=offload_device,
                                check_interrupt=mm.throw_exception_if_processing_interrupted)
     t.model.set_attention(comfy_attention)
-    t.max_resident = max_resident
-    t.leave_free = int(leave_free_gib * planner.GiB)
     base = ZImageModel(model_config, device=None)
     base.diffusion_model = t
     return ZImagePatcher(base, load_device=load_device, offload_device=offload_device)

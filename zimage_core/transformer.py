@@ -9,7 +9,9 @@ during a forward evicts one more layer and runs the forward again.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
+from dataclasses import dataclass
 
 import torch
 
@@ -38,6 +40,16 @@ _BIG_NAMES = {"qkv": "attention.qkv", "out": "attention.out", "w1": "feed_forwar
 
 def _layer_pieces(ckpt: Checkpoint, prefix: str) -> dict:
     return {n: ckpt.pieces(f"{prefix}{k}.weight") for n, k in _BIG_NAMES.items()}
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What a loaded transformer is told once, at load (the loader node's inputs), and reads when it
+    plans: nothing is set on it afterwards."""
+    max_resident: int | None = None   # the most layers kept on the device (None: as many as fit)
+    leave_free: int = 0               # bytes of device memory the plan leaves to others
+    pinned_cap: int | None = None     # host bytes this model may hold, beside the process-wide budget
+    device_budget: int | None = None  # plan and run as if the device had this many bytes (tests, simulations)
 
 
 class _FixedPart:
@@ -88,7 +100,7 @@ class _FixedPart:
 
 class ZImageTransformer(torch.nn.Module):
     def __init__(self, model: ZImageDiT, streamer: LayerStreamer, ckpt: Checkpoint, fixed: "_FixedPart",
-                 check_interrupt=None):
+                 settings: Settings, check_interrupt=None):
         """``check_interrupt()`` raises to stop a forward; it runs between blocks (and, on the CPU,
         between pieces of a block)."""
         super().__init__()
@@ -97,11 +109,8 @@ class ZImageTransformer(torch.nn.Module):
         self.dtype = model.dtype
         self.device = streamer.device
         self.plan: planner.Plan | None = None
-        self.memory_limit: int | None = None  # an injected device budget (tests, simulations)
-        self.on_split_change = None           # callback(str) for the one-line status
-        self.max_resident: int | None = None  # user's cap on resident layers (None: as many as fit)
-        self.leave_free = 0                   # bytes of device memory the plan leaves to others
-        self.expected = (1024, 1024, 1)       # (width, height, batch) of the coming image, for the plan
+        self.settings = settings
+        self._status_to = None                # callback(str) for the one-line status, within status_to()
         self._last_status = None
         self.patches_uuid = None              # id of the weight-patch set (LoRA) now in the weights
         self.patched_keys: set = set()        # canonical keys that set changed (prefixed as patched)
@@ -114,12 +123,10 @@ class ZImageTransformer(torch.nn.Module):
         self.block_index = {name: i for i, name in enumerate(self.cfg.block_names())}
 
     @classmethod
-    def load(cls, path, device="cuda", dtype="bf16", weight_dtype=None, pinned_cap=None, initial_device=None,
-             check_interrupt=None):
+    def load(cls, path, device="cuda", dtype="bf16", weight_dtype=None, settings: Settings = Settings(),
+             initial_device=None, check_interrupt=None):
         """``device`` computes; the fixed part starts on ``initial_device`` (default: ``device``),
-        e.g. the CPU for a model that ComfyUI moves to the GPU when it is used. ``pinned_cap``: host
-        bytes this model may hold at most (beside the process-wide budget; 0: every layer is read
-        from the file at every upload)."""
+        e.g. the CPU for a model that ComfyUI moves to the GPU when it is used."""
         if dtype not in COMPUTE_DTYPES:
             raise ZImageError(f"compute dtype {dtype!r} is not supported; use one of {', '.join(COMPUTE_DTYPES)}.")
         if weight_dtype not in (None, "default", *STORAGE_DTYPES):
@@ -143,11 +150,11 @@ class ZImageTransformer(torch.nn.Module):
             model.load_state_dict(state, assign=True)
             model.requires_grad_(False)  # inference only: no autograd graph keeps activations alive
             layout = PackLayout(cfg, storage)
-            pool = HostPool("transformer", pin=dev.type == "cuda", cap_bytes=pinned_cap)
+            pool = HostPool("transformer", pin=dev.type == "cuda", cap_bytes=settings.pinned_cap)
             streamer = LayerStreamer(layout, [_layer_pieces(ckpt, f"{name}.") for name in cfg.block_names()],
                                      dev, pool, check_finite=True)
             fixed = _FixedPart(model, pool)
-            t = cls(model, streamer, ckpt, fixed, check_interrupt)
+            t = cls(model, streamer, ckpt, fixed, settings, check_interrupt)
             if home == dev:
                 t.to_device()
             return t
@@ -200,8 +207,8 @@ class ZImageTransformer(torch.nn.Module):
     def free_bytes(self) -> int:
         """Device memory this model could use: what is free plus its own layers and slots. On the CPU:
         the RAM that is available (the layers are in it already)."""
-        if self.memory_limit is not None:
-            return self.memory_limit
+        if self.settings.device_budget is not None:
+            return self.settings.device_budget
         if self.device.type == "cpu":
             avail = available_ram()
             return 1 << 62 if avail is None else avail
@@ -221,7 +228,7 @@ class ZImageTransformer(torch.nn.Module):
         return Chunks(max(32, rows // 32 * 32), max(16, queries // 16 * 16), self.check_interrupt)
 
     def make_plan(self, width, height, batch=1, free_bytes=None) -> planner.Plan:
-        free = (self.free_bytes() if free_bytes is None else free_bytes) - self.leave_free
+        free = (self.free_bytes() if free_bytes is None else free_bytes) - self.settings.leave_free
         if self.device.type == "cpu":
             c = self.chunks(width, height, batch)
             return planner.plan_host(self.cfg, free, width, height, batch, dtype=self.dtype,
@@ -231,8 +238,9 @@ class ZImageTransformer(torch.nn.Module):
             self._ratio[tokens] = self._measure_ratio(tokens)
         p = planner.plan(self.cfg, free, width, height, batch, storage=self.storage_dtype, dtype=self.dtype,
                          compute_copy_ratio=self._ratio.get(tokens), host_room=self.host_room())
-        if self.max_resident is not None and p.fits and p.resident_layers > self.max_resident:
-            p.force(self.max_resident, self.host_room())
+        cap = self.settings.max_resident
+        if cap is not None and p.fits and p.resident_layers > cap:
+            p.force(cap, self.host_room())
         return p
 
     def host_room(self) -> int | None:
@@ -301,7 +309,17 @@ class ZImageTransformer(torch.nn.Module):
         if msg == self._last_status:
             return
         self._last_status = msg
-        (self.on_split_change or log.info)(msg)
+        (self._status_to or log.info)(msg)
+
+    @contextlib.contextmanager
+    def status_to(self, callback):
+        """Within: the one-line status goes to ``callback`` (a node shows it, in the console too)
+        instead of the log."""
+        self._status_to = callback
+        try:
+            yield
+        finally:
+            self._status_to = None
 
     def evict(self, nbytes: int) -> int:
         """Free at least ``nbytes`` of device memory: trailing layers first, then the slots, then
@@ -461,9 +479,10 @@ class ZImageTransformer(torch.nn.Module):
         self._fixed_checked = True
 
     def _check_budget(self, x):
-        if self.memory_limit is None:
+        budget = self.settings.device_budget
+        if budget is None:
             return
         need = self.cfg.fixed_params() * self.dtype.itemsize + self.streamer.device_bytes + planner.activation_bytes(
             self.cfg, x.shape[-1] * 8, x.shape[-2] * 8, x.shape[0], dtype=self.dtype, storage=self.storage_dtype)
-        if need > self.memory_limit:
-            raise torch.OutOfMemoryError(f"injected budget: {need} > {self.memory_limit}")
+        if need > budget:
+            raise torch.OutOfMemoryError(f"injected budget: {need} > {budget}")
