@@ -181,6 +181,39 @@ def plan_host(cfg: ZImageConfig, free_bytes: int, width: int, height: int, batch
                 largest_fitting=None if fits else _largest_fitting(width, height, lambda w, h: need(w, h) <= free_bytes))
 
 
+def one_layer_less(resident: int, slots: int) -> tuple | None:
+    """The split after giving back one layer's worth of device memory (to another model, or after an
+    out-of-memory error), or None when nothing is left to give. The first layer to stream needs
+    slots: enough resident layers go to pay for two."""
+    if resident == 0:
+        return None
+    if slots == 0:
+        r = max(0, resident - 3)
+        return r, 2 if resident - r >= 2 else 1
+    return resident - 1, slots
+
+
+# attention, norms and rotary run below the matmul rate: on an H200 a 1024x1024 layer takes about
+# 1.5x its FLOPs at that rate (3.7 ms); a lower factor plans too few slots
+LAYER_OVER_MATMUL = 1.5
+
+
+def compute_copy_ratio(cfg: ZImageConfig, tokens: int, matmul_flops_per_s: float, upload_s: float) -> float:
+    """One layer's compute time over one layer's upload time, from a measured matmul rate and upload."""
+    n = tokens
+    layer_flops = 2 * n * cfg.big_layer_params() + 4 * n * n * cfg.dim
+    return layer_flops / matmul_flops_per_s * LAYER_OVER_MATMUL / upload_s
+
+
+def stack_resident(n_layers: int, layer_bytes: int, free_bytes: int, cap: int | None = None) -> int:
+    """Layers of another model's stack (the text encoder) kept on the device: all of them where the
+    device has room for the whole stack and a GiB of work besides (the next prompt uploads nothing),
+    else none. Not some resident and the rest streamed: every prompt would cross the bus as much,
+    with fewer uploads hidden behind the compute."""
+    fits = free_bytes >= n_layers * layer_bytes + RESERVE + GiB
+    return min(n_layers if fits else 0, n_layers if cap is None else cap)
+
+
 def simulate_step(n_layers, resident, slots, compute, copy, fixed=0.0, steps=8) -> float:
     """Mean time of one of ``steps`` consecutive steps with ``resident`` layers resident (spread
     as the streamer spreads them). ``compute`` is one layer's compute time, or a list of each

@@ -88,21 +88,17 @@ class StreamedStack:
         return self.outside.device_bytes() + self.streamer.device_bytes
 
     def load(self):
-        """Device copies and the layers: all of them resident where the device has room for the
-        whole stack (a large GPU: the next prompt uploads nothing), else through the slots, each
-        streamed layer packed into its host master at its first upload where the budget has room.
-        Not some resident and the rest streamed: every prompt would cross the bus as much, with
-        fewer uploads hidden behind the compute. ``loaded_bytes`` stays what it needs at least:
-        resident layers take only memory nobody holds, and unloading is free."""
+        """Device copies and the layers, resident or through the slots as the planner says
+        (``planner.stack_resident``), each streamed layer packed into its host master at its first
+        upload where the budget has room. ``loaded_bytes`` stays what it needs at least: resident
+        layers take only memory nobody holds, and unloading is free."""
         self.outside.load()
         if not (self.streamer.slots or self.streamer.resident):
             self.streamer.configure(self._resident_layers(), self.n_slots)
 
     def _resident_layers(self) -> int:
-        n = len(self.layers)
-        fits = self.device.type == "cuda" and planner.device_free_bytes(self.device) >= (
-            n * self.layout.nbytes + planner.RESERVE + planner.GiB)  # a GiB for activations and other work
-        return min(n if fits else 0, n if self.max_resident is None else self.max_resident)
+        free = planner.device_free_bytes(self.device) if self.device.type == "cuda" else 0
+        return planner.stack_resident(len(self.layers), self.layout.nbytes, free, self.max_resident)
 
     def unload(self) -> int:
         """Drop every device buffer; returns the bytes freed."""

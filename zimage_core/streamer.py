@@ -284,17 +284,6 @@ class LayerStreamer:
             self.resident[i] = buf
         self.synchronize()
 
-    def evict_one(self) -> bool:
-        """Give back one layer's worth of device memory; False when nothing is left to evict."""
-        if not self.resident:
-            return False
-        if not self.slots:  # the first streamed layer needs slots: evict enough to pay for two
-            r = max(0, self.n_resident - 3)
-            self.configure(r, 2 if self.n_resident - r >= 2 else 1)
-        else:
-            self.configure(self.n_resident - 1, len(self.slots))
-        return True
-
     def release(self):
         """Drop every device buffer, host master and staging buffer (pinned memory goes back to
         the OS)."""

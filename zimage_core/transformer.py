@@ -288,10 +288,18 @@ class ZImageTransformer(torch.nn.Module):
                 self.streamer.configure(resident, slots)
                 break
             except torch.OutOfMemoryError:  # the estimate was optimistic: one layer fewer
-                if resident == 0:
+                less = planner.one_layer_less(resident, slots)
+                if less is None:
                     raise
-                resident -= 1
-                slots = max(slots, 2)
+                resident, slots = less
+
+    def _evict_one(self) -> bool:
+        """Give back one layer's worth of device memory; False when nothing is left to evict."""
+        less = planner.one_layer_less(self.streamer.n_resident, len(self.streamer.slots))
+        if less is None:
+            return False
+        self.streamer.configure(*less)
+        return True
 
     def _announce(self):
         """The one-line status, once per change of split or image size: to the callback when one is
@@ -325,7 +333,7 @@ class ZImageTransformer(torch.nn.Module):
         """Free at least ``nbytes`` of device memory: trailing layers first, then the slots, then
         the fixed part. Nothing is copied back (the host masters exist). Returns bytes freed."""
         start = self.device_bytes()
-        while start - self.device_bytes() < nbytes and self.streamer.evict_one():
+        while start - self.device_bytes() < nbytes and self._evict_one():
             pass
         if start - self.device_bytes() < nbytes:
             self.offload()
@@ -406,7 +414,8 @@ class ZImageTransformer(torch.nn.Module):
             layout.region(self.streamer.resident[owner], name).copy_(value)
 
     def _measure_ratio(self, tokens) -> float:
-        """Compute time of one layer over upload time of one layer, timed on this device."""
+        """Compute time of one layer over upload time of one layer: a matmul and an upload timed on
+        this device, the rest is the planner's model."""
         cfg = self.cfg
         dev = self.device
         x = torch.randn(tokens + 512, cfg.dim, device=dev, dtype=self.dtype)
@@ -424,14 +433,8 @@ class ZImageTransformer(torch.nn.Module):
             dst.copy_(host, non_blocking=True)
             ev[3].record()
             torch.cuda.synchronize(dev)
-        flops_mm = 2 * x.shape[0] * cfg.dim * cfg.ffn_dim
-        rate = 5 * flops_mm / ev[0].elapsed_time(ev[1])
-        n = x.shape[0]
-        layer_flops = 2 * n * cfg.big_layer_params() + 4 * n * n * cfg.dim
-        # attention, norms and rotary run below the matmul rate: on an H200 a 1024x1024 layer takes
-        # about 1.5x its FLOPs at that rate (3.7 ms); a lower factor plans too few slots
-        compute_ms = layer_flops / rate * 1.5
-        return compute_ms / ev[2].elapsed_time(ev[3])
+        rate = 5 * 2 * x.shape[0] * cfg.dim * cfg.ffn_dim / (ev[0].elapsed_time(ev[1]) / 1e3)
+        return planner.compute_copy_ratio(cfg, x.shape[0], rate, ev[2].elapsed_time(ev[3]) / 1e3)
 
     # -- running -----------------------------------------------------------------------------
 
@@ -456,7 +459,7 @@ class ZImageTransformer(torch.nn.Module):
                                       f"{self.cfg.block_names()[e.layer]}.{_BIG_NAMES[e.name]}.weight.",
                                       "The file is damaged: download it again.") from None
             except torch.OutOfMemoryError:
-                if not self.streamer.evict_one():
+                if not self._evict_one():
                     raise OutOfDeviceMemory(
                         f"Out of GPU memory at {x.shape[-1] * 8}x{x.shape[-2] * 8} even with every layer "
                         "streamed. Lower the image size or batch, or free GPU memory.") from None
