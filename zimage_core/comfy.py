@@ -3,8 +3,8 @@ the core does).
 
 A Z-Image ``MODEL`` is a stock ``Lumina2`` base model whose diffusion model is the streamed
 ``ZImageTransformer``, wrapped in ``ZImagePatcher``: a ``ModelPatcher`` that reports the bytes
-the transformer really holds, unloads partially by evicting trailing layers (nothing is copied
-back: the pinned host copies are the masters) and loads by promoting them. ComfyUI's own
+the transformer really holds, unloads partially by evicting resident layers (the last to become resident first; nothing
+is copied back: a layer comes back from its master or the file) and loads by promoting them. ComfyUI's own
 ``free_memory`` / ``load_models_gpu`` therefore make room for the text encoder and the VAE the
 cheap way, and stock samplers, ``VAEDecode`` and LoRA loaders see an ordinary MODEL.
 """

@@ -330,8 +330,9 @@ class ZImageTransformer(torch.nn.Module):
             self._status_to = None
 
     def evict(self, nbytes: int) -> int:
-        """Free at least ``nbytes`` of device memory: trailing layers first, then the slots, then
-        the fixed part. Nothing is copied back (the host masters exist). Returns bytes freed."""
+        """Free at least ``nbytes`` of device memory: resident layers (the last of
+        ``residency_order`` first), then the slots, then the fixed part. Nothing is copied back: a
+        layer comes back from its master or the file. Returns bytes freed."""
         start = self.device_bytes()
         while start - self.device_bytes() < nbytes and self._evict_one():
             pass
