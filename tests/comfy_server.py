@@ -277,8 +277,11 @@ CACHE_RAM_HEADROOM = 3.0
 
 
 def has_cache_ram() -> bool:
-    with open(os.path.join(COMFYUI_PATH, "comfy", "cli_args.py")) as f:
-        return "--cache-ram" in f.read()
+    """The RAM-pressure cache is ComfyUI's default (v0.28: an active and an inactive headroom). Older
+    trees have --cache-ram as an option; there it would keep every old output until RAM runs low,
+    which the other tests, each loading its own models, do not expect."""
+    with open(os.path.join(COMFYUI_PATH, "main.py")) as f:
+        return "cache_ram_inactive" in f.read()
 
 
 def server_flags():
