@@ -1,5 +1,5 @@
-"""The one module that talks to ComfyUI's model manager (it imports ``comfy``; nothing else in
-the core does).
+"""The one module that talks to ComfyUI's model manager (it imports ``comfy``; in the core only it
+and ``comfy_reaches``, the list of what it relies on beyond ComfyUI's public API, do).
 
 A Z-Image ``MODEL`` is a stock ``Lumina2`` base model whose diffusion model is the streamed
 ``ZImageTransformer``, wrapped in ``ZImagePatcher``: a ``ModelPatcher`` that reports the bytes

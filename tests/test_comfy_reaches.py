@@ -1,0 +1,31 @@
+"""Where the pack relies on ComfyUI's internals (zimage_core/comfy_reaches.py): each reach still
+holds on the ComfyUI tree under test, and a changed one fails naming itself."""
+import pytest
+
+from comfy_env import comfyui_version, needs_comfyui, run_check
+from zimage_core import comfy_reaches as cr
+
+
+@needs_comfyui
+def test_every_reach_into_comfyui_still_holds(tmp_path):
+    res = run_check(tmp_path, "comfy_reaches_check.py", timeout=300)
+    assert res["reaches"] >= 15
+    assert not res["problems"], f"ComfyUI {comfyui_version()} changed:\n" + "\n".join(res["problems"])
+
+
+class Patcher:
+    def load(self, device_to=None, lowvram_model_memory=0):
+        pass
+
+
+@pytest.mark.parametrize("probe, words", [
+    (lambda: cr._methods(Patcher, load=("device_to", "full_load")), ["Patcher.load", "full_load"]),
+    (lambda: cr._methods(Patcher, partially_unload=()), ["Patcher.partially_unload is gone"]),
+    (lambda: cr._attributes(Patcher, "model_size"), ["has no model_size"]),
+    (lambda: cr._source_mentions(Patcher, "self.patches_uuid"), ["no longer mentions self.patches_uuid"]),
+])
+def test_a_changed_reach_is_named(probe, words):
+    """The probes the list is made of report what changed (here against a class made to differ)."""
+    msg = probe()
+    assert msg and all(w in msg for w in words), msg
+    assert cr._methods(Patcher, load=("device_to",)) is None and cr._attributes(Patcher, "load") is None

@@ -1,0 +1,159 @@
+"""Every place the pack relies on ComfyUI beyond its public node API, in one list: what it uses,
+where, and the ComfyUI versions it was checked on. This is what breaks when ComfyUI updates.
+
+``check()`` imports ComfyUI (it must be importable and initialised, as in a running server) and
+returns one message per reach that no longer holds; the test suite runs it against each ComfyUI
+tree it is given and fails naming the reach. Public API is preferred where ComfyUI has one; what
+is listed here has none.
+"""
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Callable
+
+CHECKED = "v0.8.0, v0.20.1, v0.28.0"
+
+
+@dataclass(frozen=True)
+class Reach:
+    what: str                       # what the pack relies on
+    where: str                      # the pack's code that relies on it
+    test: Callable[[], str | None]  # None while it holds, else what changed
+    versions: str = CHECKED         # the ComfyUI versions it was checked on
+
+
+def _params(fn, *names) -> str | None:
+    have = inspect.signature(fn).parameters
+    missing = [n for n in names if n not in have]
+    return f"{fn.__qualname__} has no parameter {', '.join(missing)}" if missing else None
+
+
+def _methods(cls, **signatures) -> str | None:
+    for name, params in signatures.items():
+        fn = getattr(cls, name, None)
+        if fn is None:
+            return f"{cls.__name__}.{name} is gone"
+        problem = _params(fn, *params)
+        if problem:
+            return problem
+    return None
+
+
+def _source_mentions(obj, *names) -> str | None:
+    src = inspect.getsource(obj)
+    missing = [n for n in names if n not in src]
+    return f"{getattr(obj, '__name__', obj)} no longer mentions {', '.join(missing)}" if missing else None
+
+
+def _attributes(obj, *names) -> str | None:
+    missing = [n for n in names if not hasattr(obj, n)]
+    return f"{getattr(obj, '__name__', obj)} has no {', '.join(missing)}" if missing else None
+
+
+def _optional(module_name, attr) -> str | None:
+    """Something only newer versions have: absent is fine, present must be what the pack reads."""
+    import importlib
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError:
+        return None
+    if hasattr(module, attr) and not isinstance(getattr(module, attr), int):
+        return f"{module_name}.{attr} is no longer a byte count"
+    return None
+
+
+def reaches() -> list:
+    import comfy.conds
+    import comfy.float
+    import comfy.ldm.modules.attention
+    import comfy.lora
+    import comfy.model_base
+    import comfy.model_management as mm
+    import comfy.model_patcher as mp
+    import comfy.patcher_extension
+    import comfy.sd
+    import comfy.supported_models
+
+    return [
+        Reach("ModelPatcher's loading protocol, overridden by the pack's patchers: load, partially_load, "
+              "partially_unload, unpatch_model, patch_model, model_size, loaded_size", "comfy.py: ZImagePatcher, "
+              "PinnedPatcher",
+              lambda: _methods(mp.ModelPatcher, load=("device_to", "lowvram_model_memory", "force_patch_weights",
+                                                      "full_load"),
+                               partially_load=("device_to", "extra_memory", "force_patch_weights"),
+                               partially_unload=("device_to", "memory_to_free"),
+                               unpatch_model=("device_to", "unpatch_weights"),
+                               patch_model=("device_to", "lowvram_model_memory", "load_weights"),
+                               model_size=(), loaded_size=(), add_callback=("call_type", "callback"))),
+        Reach("The bookkeeping ComfyUI reads off a model, written by the pack: model_loaded_weight_memory, "
+              "model_lowvram, device", "comfy.py: ZImagePatcher._sync",
+              lambda: _source_mentions(mp, "model_loaded_weight_memory", "model_lowvram")),
+        Reach("Weight patches and hooks on a patcher: patches, patches_uuid, forced_hooks", "comfy.py: "
+              "_pinned_patcher, ZImagePatcher._apply_patches",
+              lambda: _source_mentions(mp.ModelPatcher.__init__, "self.patches", "self.patches_uuid",
+                                       "self.forced_hooks")),
+        Reach("Which patchers ComfyUI holds on the GPU: model_management.current_loaded_models and "
+              "LoadedModel.model", "comfy.py: _loaded_by_comfy",
+              lambda: _attributes(mm, "current_loaded_models") or _source_mentions(mm.LoadedModel, "def model")),
+        Reach("Dynamic VRAM marks the modules it manages with an attribute _v (absent before v0.20)",
+              "comfy.py: _pinned_patcher",
+              lambda: _source_mentions(mp, "m._v = ") if hasattr(mp, "ModelPatcherDynamic") else None,
+              "v0.20.1, v0.28.0"),
+        Reach("model_mmap_residency and pinned_memory_size, overridden to say the pack's host copies are "
+              "its own (only in newer versions)", "comfy.py: ZImagePatcher, PinnedPatcher",
+              lambda: None if not hasattr(mp.ModelPatcher, "pinned_memory_size") else
+              _methods(mp.ModelPatcher, pinned_memory_size=()), "v0.20.1, v0.28.0"),
+        Reach("The RAM-pressure cache's headroom, comfy.memory_management.RAM_CACHE_HEADROOM (absent in v0.8)",
+              "comfy.py: _ram_cache_headroom",
+              lambda: _optional("comfy.memory_management", "RAM_CACHE_HEADROOM"), "v0.20.1, v0.28.0"),
+        Reach("The Z-Image base model: model_base.Lumina2 with memory_required(input_shape, cond_shapes) and "
+              "extra_conds(**kwargs), subclassed", "comfy.py: ZImageModel",
+              lambda: _methods(comfy.model_base.Lumina2, memory_required=("input_shape",), extra_conds=())),
+        Reach("The Z-Image model config built from a hand-written unet_config: supported_models.ZImage, "
+              "supported_inference_dtypes, set_inference_dtype", "comfy.py: unet_config, load_model",
+              lambda: _attributes(comfy.supported_models, "ZImage")
+              or _attributes(comfy.supported_models.ZImage, "supported_inference_dtypes", "set_inference_dtype")),
+        Reach("ModelPatcher's weight-patch formula, re-implemented: lora.calculate_weight(patches, weight, key), "
+              "float.stochastic_rounding(value, dtype, seed), model_patcher.string_to_seed, "
+              "model_management.lora_compute_dtype", "comfy.py: ZImagePatcher._apply_patches",
+              lambda: _params(comfy.lora.calculate_weight, "patches", "weight", "key")
+              or _params(comfy.float.stochastic_rounding, "value", "dtype", "seed")
+              or _attributes(mp, "string_to_seed") or _attributes(mm, "lora_compute_dtype")
+              or _source_mentions(mp.ModelPatcher.patch_weight_to_device, "calculate_weight",
+                                  "stochastic_rounding", "string_to_seed")),
+        Reach("The model manager's calls: load_models_gpu(models, memory_required), free_memory(memory_required, "
+              "device), unet_dtype, unet_manual_cast, get_torch_device, unet_offload_device, "
+              "throw_exception_if_processing_interrupted", "comfy.py, nodes/decode.py",
+              lambda: _params(mm.load_models_gpu, "models", "memory_required")
+              or _params(mm.free_memory, "memory_required", "device")
+              or _params(mm.unet_dtype, "model_params", "supported_dtypes", "weight_dtype")
+              or _attributes(mm, "unet_manual_cast", "get_torch_device", "unet_offload_device",
+                             "throw_exception_if_processing_interrupted", "OOM_EXCEPTION", "soft_empty_cache")),
+        Reach("ComfyUI's attention kernel: optimized_attention(q, k, v, heads, ..., skip_reshape)",
+              "comfy.py: comfy_attention",
+              lambda: _params(comfy.ldm.modules.attention.optimized_attention, "skip_reshape")
+              if callable(comfy.ldm.modules.attention.optimized_attention) else "optimized_attention is gone"),
+        Reach("Prompt embeddings wrapped as conds.CONDRegular", "comfy.py: ZImageModel.extra_conds",
+              lambda: _attributes(comfy.conds, "CONDRegular")),
+        Reach("A patcher's load callback: patcher_extension.CallbacksMP.ON_LOAD", "comfy.py: _pinned_patcher",
+              lambda: _attributes(comfy.patcher_extension.CallbacksMP, "ON_LOAD")),
+        Reach("VAE.decode, re-implemented for a decode in one piece: first_stage_model, patcher, vae_dtype, "
+              "device, output_device, process_output, decode_tiled", "nodes/decode.py, comfy.py: pinned_vae",
+              lambda: _source_mentions(comfy.sd.VAE, "self.first_stage_model", "self.patcher", "self.vae_dtype",
+                                       "self.device", "self.output_device", "self.process_output",
+                                       "def decode_tiled")),
+    ]
+
+
+def check() -> list:
+    """One line per reach that no longer holds: what the pack relies on, where, and what changed."""
+    problems = []
+    for r in reaches():
+        try:
+            change = r.test()
+        except Exception as e:  # a module or class that is gone
+            change = f"{type(e).__name__}: {e}"
+        if change:
+            problems.append(f"{r.what} ({r.where}; checked on {r.versions}): {change}")
+    return problems
