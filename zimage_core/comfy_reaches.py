@@ -122,10 +122,10 @@ def reaches() -> list:
               or _attributes(mp, "string_to_seed") or _attributes(mm, "lora_compute_dtype")
               or _source_mentions(mp.ModelPatcher.patch_weight_to_device, "calculate_weight",
                                   "stochastic_rounding", "string_to_seed")),
-        Reach("The model manager's calls: load_models_gpu(models, memory_required), free_memory(memory_required, "
-              "device), unet_dtype, unet_manual_cast, get_torch_device, unet_offload_device, "
-              "throw_exception_if_processing_interrupted", "comfy.py, nodes/decode.py",
-              lambda: _params(mm.load_models_gpu, "models", "memory_required")
+        Reach("The model manager's calls: load_models_gpu(models, memory_required, force_full_load), "
+              "free_memory(memory_required, device), unet_dtype, unet_manual_cast, get_torch_device, "
+              "unet_offload_device, throw_exception_if_processing_interrupted", "comfy.py",
+              lambda: _params(mm.load_models_gpu, "models", "memory_required", "force_full_load")
               or _params(mm.free_memory, "memory_required", "device")
               or _params(mm.unet_dtype, "model_params", "supported_dtypes", "weight_dtype")
               or _attributes(mm, "unet_manual_cast", "get_torch_device", "unet_offload_device",
@@ -139,7 +139,7 @@ def reaches() -> list:
         Reach("A patcher's load callback: patcher_extension.CallbacksMP.ON_LOAD", "comfy.py: _pinned_patcher",
               lambda: _attributes(comfy.patcher_extension.CallbacksMP, "ON_LOAD")),
         Reach("VAE.decode, re-implemented for a decode in one piece: first_stage_model, patcher, vae_dtype, "
-              "device, output_device, process_output, decode_tiled", "nodes/decode.py, comfy.py: pinned_vae",
+              "device, output_device, process_output, decode_tiled", "comfy.py: decode, pinned_vae",
               lambda: _source_mentions(comfy.sd.VAE, "self.first_stage_model", "self.patcher", "self.vae_dtype",
                                        "self.device", "self.output_device", "self.process_output",
                                        "def decode_tiled")),
