@@ -102,8 +102,7 @@ class Plan:
         self.resident_layers = max(0, min(resident, n))
         self.streamed_layers = n - self.resident_layers
         self.slots = 0 if not self.streamed_layers else max(self.slots, 2)
-        self.pinned_layers = self.streamed_layers if host_room is None else min(
-            self.streamed_layers, max(0, host_room) // self.layer_bytes)
+        self.pinned_layers = _pinned_layers(self.streamed_layers, host_room, self.layer_bytes)
         self.file_layers = self.streamed_layers - self.pinned_layers
         self.pinned_host_bytes = self.pinned_layers * self.layer_bytes
 
@@ -113,6 +112,11 @@ class Plan:
         if not self.file_layers or self.on_cpu:
             return ""
         return f" ({self.pinned_layers} pinned, {self.file_layers} from the page cache)"
+
+
+def _pinned_layers(streamed: int, host_room: int | None, layer_bytes: int) -> int:
+    """Streamed layers whose masters ``host_room`` holds (None: all of them)."""
+    return streamed if host_room is None else min(streamed, max(0, host_room) // layer_bytes)
 
 
 def device_free_bytes(device) -> int:
@@ -291,7 +295,7 @@ def plan(cfg: ZImageConfig, free_bytes: int, width: int, height: int, batch: int
 
     if not fits:
         streamed = n
-    pinned = streamed if host_room is None else min(streamed, max(0, host_room) // layer)
+    pinned = _pinned_layers(streamed, host_room, layer)
     return Plan(width, height, batch, free_bytes, r if fits else 0, streamed, k if fits else 0,
                 layer, fixed, act, fixed + act + (r + k) * layer if fits else 0, pinned * layer, fits,
                 needed_bytes=need(width, height),

@@ -145,7 +145,6 @@ class LayerStreamer:
         self.check_finite = check_finite
         self._unchecked = set(range(self.n_layers)) if check_finite else set()
         self._checks = []                      # (layer, {name: 0-d bool on the device}) of this forward
-        self.new_masters = 0                   # masters made since the owner last reported them
         self.profile = False
         self.copy_events = []                  # (start, end) per upload while profiling
         self.uploads = 0                       # streamed uploads since the last reset
@@ -163,7 +162,6 @@ class LayerStreamer:
             self.pool.free(buf)
             raise
         self._set_master(i, buf)
-        self.new_masters += 1
         return True
 
     def _set_master(self, i, buf):

@@ -112,6 +112,7 @@ class ZImageTransformer(torch.nn.Module):
         self.settings = settings
         self._status_to = None                # callback(str) for the one-line status, within status_to()
         self._last_status = None
+        self._warned = None                   # (file layers, streamed layers) last warned about
         self.patches_uuid = None              # id of the weight-patch set (LoRA) now in the weights
         self.patched_keys: set = set()        # canonical keys that set changed (prefixed as patched)
         self._ratio = {}                      # tokens -> measured compute/copy time ratio
@@ -272,7 +273,7 @@ class ZImageTransformer(torch.nn.Module):
     def _warn_host(self, p):
         """Once per plan that reads layers from the file: what would help."""
         key = (p.file_layers, p.streamed_layers)
-        if not p.file_layers or key == getattr(self, "_warned", None):
+        if not p.file_layers or key == self._warned:
             return
         self._warned = key
         fp8 = "" if self.storage_dtype == torch.float8_e4m3fn else "the fp8 checkpoint (half the bytes), "
