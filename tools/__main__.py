@@ -9,9 +9,8 @@ import sys
 
 import torch
 
-from zimage_core.__main__ import GiB, MAX_SIDE, _Parser, count, gib, side
+from zimage_core.__main__ import GiB, _Parser, count, gib, run, size_arguments
 from zimage_core.config import ZImageConfig
-from zimage_core.errors import ZImageError
 
 from . import bench
 from .random_weights import write_checkpoint
@@ -116,10 +115,7 @@ def main(argv=None):
     b = sub.add_parser("bench", help="median step time against its bound")
     b.add_argument("--weights", type=weights_file, required=True,
                    help="a Z-Image transformer .safetensors file (e.g. from random-weights)")
-    b.add_argument("--width", type=side, default=1024,
-                   help=f"image width in pixels, a multiple of 16 up to {MAX_SIDE} (default 1024)")
-    b.add_argument("--height", type=side, default=1024,
-                   help=f"image height in pixels, a multiple of 16 up to {MAX_SIDE} (default 1024)")
+    size_arguments(b)
     b.add_argument("--steps", type=count(1, 200), default=8, help="timed steps (default 8)")
     b.add_argument("--seed", type=count(0, 2**64 - 1), default=0)
     b.add_argument("--resident-layers", type=layer_list,
@@ -130,11 +126,7 @@ def main(argv=None):
     b.add_argument("--device", type=device, help="cpu or cuda[:N] (default: cuda where there is one)")
     b.add_argument("--json", action="store_true", help="print each result as one JSON object per line")
     b.set_defaults(fn=_bench)
-    a = ap.parse_args(argv)
-    try:
-        a.fn(a)
-    except (ZImageError, OSError) as e:
-        sys.exit(f"error: {e}")
+    run(ap, argv)
 
 
 if __name__ == "__main__":

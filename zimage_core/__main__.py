@@ -65,6 +65,22 @@ def gib(lo_exclusive=False):
     return parse
 
 
+def size_arguments(p):
+    """--width and --height, as every command that takes an image size reads them."""
+    for name in ("width", "height"):
+        p.add_argument(f"--{name}", type=side, default=1024,
+                       help=f"image {name} in pixels, a multiple of 16 up to {MAX_SIDE} (default 1024)")
+
+
+def run(ap, argv):
+    """Parse ``argv`` and run the chosen command; the pack's errors end it with one line."""
+    a = ap.parse_args(argv)
+    try:
+        a.fn(a)
+    except (ZImageError, OSError) as e:
+        sys.exit(f"error: {e}")
+
+
 def _plan(a):
     from . import planner
     if a.vram_gib is not None:
@@ -110,21 +126,14 @@ def main(argv=None):
                        description=f"Plan the split for a card and image size. Exit status {DOES_NOT_FIT} when "
                                    "the transformer does not fit, 2 for bad arguments.")
     p.add_argument("--vram-gib", type=gib(), help="free GPU memory to plan for, in GiB (default: measured)")
-    p.add_argument("--width", type=side, default=1024,
-                   help=f"image width in pixels, a multiple of 16 up to {MAX_SIDE} (default 1024)")
-    p.add_argument("--height", type=side, default=1024,
-                   help=f"image height in pixels, a multiple of 16 up to {MAX_SIDE} (default 1024)")
+    size_arguments(p)
     p.add_argument("--batch", type=count(1, MAX_BATCH), default=1,
                    help=f"images made at once, 1 to {MAX_BATCH} (default 1)")
     p.add_argument("--ram-gib", type=gib(), help="host RAM available, in GiB (default: measured)")
     p.add_argument("--fp8", action="store_true", help="plan for an fp8 e4m3fn checkpoint")
     p.add_argument("--json", action="store_true", help="print the plan as one JSON object")
     p.set_defaults(fn=_plan)
-    a = ap.parse_args(argv)
-    try:
-        a.fn(a)
-    except (ZImageError, OSError) as e:
-        sys.exit(f"error: {e}")
+    run(ap, argv)
 
 
 if __name__ == "__main__":

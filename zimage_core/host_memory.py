@@ -54,33 +54,29 @@ def _meminfo(field) -> int | None:
     return None
 
 
-def available_ram() -> int | None:
-    """Physical RAM available now, or None where it cannot be read. Linux: MemAvailable from
-    /proc/meminfo (it counts the page cache the kernel can drop); Windows: GlobalMemoryStatusEx;
-    other systems: sysconf's available pages."""
-    avail = _meminfo("MemAvailable")
-    if avail is not None:
-        return avail
+def _ram(meminfo_field, windows_field, sysconf_pages) -> int | None:
+    """Linux: /proc/meminfo's field; Windows: GlobalMemoryStatusEx's; other POSIX systems:
+    sysconf's page count; None where none of them can be read."""
+    value = _meminfo(meminfo_field)
+    if value is not None:
+        return value
     if sys.platform == "win32":
         status = _windows_memory_status()
-        return None if status is None else status.ullAvailPhys
+        return None if status is None else getattr(status, windows_field)
     try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):  # not every POSIX system has SC_AVPHYS_PAGES (macOS)
+        return os.sysconf(sysconf_pages) * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):  # not every POSIX system has these (macOS)
         return None
+
+
+def available_ram() -> int | None:
+    """Physical RAM available now, or None where it cannot be read (MemAvailable on Linux counts
+    the page cache the kernel can drop)."""
+    return _ram("MemAvailable", "ullAvailPhys", "SC_AVPHYS_PAGES")
 
 
 def total_ram() -> int | None:
-    total = _meminfo("MemTotal")
-    if total is not None:
-        return total
-    if sys.platform == "win32":
-        status = _windows_memory_status()
-        return None if status is None else status.ullTotalPhys
-    try:
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return None
+    return _ram("MemTotal", "ullTotalPhys", "SC_PHYS_PAGES")
 
 
 def _windows_memory_status():
