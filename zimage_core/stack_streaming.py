@@ -1,9 +1,10 @@
 """Another model's layer stack, run with its weights streamed: a text encoder's decoder layers go
 through a ring of device slots while the model's own forward drives the loop.
 
-Host memory holds each weight once: a layer that gets a packed master (pinned, when the host
-budget has room) has its parameters pointed at the master's views, and the model's own copy is
-let go. Layers without one are uploaded from the model's own tensors through staging buffers.
+Host memory holds each weight once: the model's own tensors are the source of every upload,
+read through two pinned staging buffers (a text encoder runs once per prompt, so its layers get
+no pinned masters of their own: where ComfyUI keeps them in a file mapping, pinned copies would
+double them in RAM, for about 0.1 s a prompt).
 For a run, ``running()`` points the tensors outside the
 stack at device copies (``DeviceCopies``), and forward hooks point each layer's parameters at
 the slot its upload went to just before the layer runs, and back afterwards. Embedding tables
@@ -67,7 +68,7 @@ class StreamedStack:
             raise UnsupportedStack("its weights are not plain tensors (a quantized format)")
         self.layout = PackLayout({k: tuple(t.shape) for k, t in params[0].items()}, dtypes.pop())
         sources = [{k: [(0, copy_source(t))] for k, t in p.items()} for p in params]
-        self.streamer = LayerStreamer(self.layout, sources, self.device, pool, on_master=self._own_master)
+        self.streamer = LayerStreamer(self.layout, sources, self.device, pool, masters=False)
         self.n_slots = min(slots, len(self.layers))
         inside = {id(m) for m in self.layers.modules()}
         # tables the model keeps in host memory (not on the meta device, which the file left empty)
@@ -89,8 +90,7 @@ class StreamedStack:
 
     def load(self):
         """Device copies and the layers, resident or through the slots as the planner says
-        (``planner.stack_resident``), each streamed layer packed into its host master at its first
-        upload where the budget has room. ``loaded_bytes`` stays what it needs at least: resident
+        (``planner.stack_resident``). ``loaded_bytes`` stays what it needs at least: resident
         layers take only memory nobody holds, and unloading is free."""
         self.outside.load()
         if not (self.streamer.slots or self.streamer.resident):
@@ -109,7 +109,7 @@ class StreamedStack:
         return held
 
     def release(self):
-        """Device buffers and host masters (pinned memory goes back to the OS)."""
+        """Device buffers and host buffers (pinned memory goes back to the OS)."""
         self.unload()
         self.outside.release()
         self.streamer.release()
@@ -140,18 +140,6 @@ class StreamedStack:
                 for k, (m, n) in slots.items():
                     m._parameters[n] = own[k]
             self._running = None
-
-    def _own_master(self, i, buf):
-        """Layer i's packed master becomes the storage of its parameters, and its source: the
-        model's own copy is no longer referenced from here."""
-        views = self.layout.views(buf)
-        for k, (m, n) in self.slots_of[i].items():
-            p = torch.nn.Parameter(views[k], requires_grad=False)
-            if self._running is not None:
-                self._running[i][k] = p  # what the layer's hook puts back once it has run
-            else:
-                m._parameters[n] = p
-        self.streamer.sources[i] = {k: [(0, v)] for k, v in views.items()}
 
     def _rows_to_device(self, table, args, rows):
         return rows.to(self.device)

@@ -2,9 +2,10 @@
 runs them): some resident on the device, spread through the stack, the others streamed.
 
 A layer's five big matrices come from its source (the checkpoint file, or another model's own
-tensors). A streamed layer gets one host master at its first upload: a packed buffer taken from
-a ``HostPool`` (pinned on CUDA) when the host budget has room for it, so loading pins nothing
-and the first forward pins as it goes. A layer without a master (resident layers, and streamed
+tensors). With ``masters`` (the transformer, whose streamed layers are uploaded at every step) a
+streamed layer gets one host master at its first upload: a packed buffer taken from a
+``HostPool`` (pinned on CUDA) when the host budget has room for it, so loading pins nothing and
+the first forward pins as it goes. A layer without a master (resident layers, and streamed
 layers past the budget) is read from its source into one of two pinned staging buffers, the
 read into one overlapping the upload from the other, with the kernel asked to read the next
 layer's bytes ahead; no weight is held in host memory twice. The first ``n_resident`` layers of
@@ -117,17 +118,18 @@ def device_of(device) -> torch.device:
 
 class LayerStreamer:
     def __init__(self, layout: PackLayout, sources: list, device, pool: HostPool, check_finite=False,
-                 on_master=None):
+                 masters=True):
         """``sources[i]`` is layer i's {name: [(row, tensor or StoredTensor)]} pieces. With
         ``check_finite`` every layer's matrices are checked for NaN and infinity the first time they
         run (on the device, read back once at the end of that forward: ``NonFiniteWeights``).
-        ``on_master(i, buffer)`` runs when layer i gets its packed host master (the owner of
-        tensor sources points its own tensors at it: one copy in host memory)."""
+        ``masters``: streamed layers get packed host masters where the budget has room; without,
+        every upload reads the source through the staging buffers (a model uploaded once per
+        run, whose owner already holds its weights in host memory)."""
         self.layout, self.device, self.pool = layout, device_of(device), pool
         self.cuda = self.device.type == "cuda"
         self.n_layers = len(sources)
         self.sources = sources
-        self.on_master = on_master
+        self.masters = masters
         self.order = residency_order(self.n_layers)
         self.host = [None] * self.n_layers      # packed host masters (pinned where possible)
         self.resident = {}                     # layer -> packed device buffer
@@ -161,13 +163,8 @@ class LayerStreamer:
         except BaseException:  # an interrupt or a file that changed: no half-filled master stays
             self.pool.free(buf)
             raise
-        self._set_master(i, buf)
-        return True
-
-    def _set_master(self, i, buf):
         self.host[i] = buf
-        if self.on_master is not None:
-            self.on_master(i, buf)
+        return True
 
     def ensure_host(self, i):
         """A packed host master for layer i even past the budget (then pageable memory): a
@@ -175,7 +172,7 @@ class LayerStreamer:
         if self.host[i] is None and not self._make_master(i):
             buf = torch.empty(self.layout.numel, dtype=self.layout.dtype)
             self.layout.fill(buf, self.sources[i])
-            self._set_master(i, buf)
+            self.host[i] = buf
 
     @property
     def pinned_layers(self) -> int:
@@ -187,8 +184,9 @@ class LayerStreamer:
 
     def _upload(self, i, dst, master=True):
         """Layer i into ``dst``: from its host master, or without one from its source. With
-        ``master`` (a streamed layer) the layer first gets a master if the pool has room."""
-        if self.host[i] is None and master:
+        ``master`` (a streamed layer) the layer first gets a master if it keeps them and the pool
+        has room."""
+        if self.host[i] is None and master and self.masters:
             self._make_master(i)
         if self.host[i] is not None:
             dst.copy_(self.host[i], non_blocking=self.cuda)
