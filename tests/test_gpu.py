@@ -73,3 +73,18 @@ def test_non_finite_weights_are_named_on_cuda(tmp_path, resident):
         with pytest.raises(CheckpointError, match=key.replace(".", r"\.")):
             m(x.cuda(), t.cuda(), ctx.cuda())
         m.release()
+
+
+def test_a_staging_ring_of_small_chunks_is_bit_identical_on_cuda(tiny_file, monkeypatch):
+    """Chunks far smaller than a layer: the ring of pinned buffers wraps inside every upload, each
+    read waiting for the upload that last used its buffer; the bits are the resident ones."""
+    from zimage_core import streamer
+    monkeypatch.setattr(streamer, "STAGING_CHUNK", 1000)
+    m = ZImageTransformer.load(tiny_file, device="cuda", dtype="bf16", settings=Settings(pinned_cap=TINY.fixed_params() * 2 + 4000))  # the fixed part and the ring, no master
+    x, _, ctx = inputs(TINY, width=128, height=96)
+    m.prepare(128, 96, resident_layers=TINY.n_blocks)
+    ref = euler_sample(m, x.cuda(), ctx.cuda(), steps=3)
+    m.prepare(128, 96, resident_layers=0)
+    assert len(m.streamer._staging) == 4 and all(b.is_pinned() for b, _ in m.streamer._staging)
+    assert torch.equal(euler_sample(m, x.cuda(), ctx.cuda(), steps=3), ref)
+    m.release()

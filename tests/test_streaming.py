@@ -150,6 +150,46 @@ def test_layers_without_masters_come_through_staging_with_the_files_bytes(tiny_f
     m.release()
 
 
+@pytest.mark.parametrize("chunk", [97, 1000, 1 << 30])
+def test_chunked_fill_equals_a_whole_fill(tiny_file, chunk):
+    """A layer packed a chunk at a time (what the staging ring does; chunk boundaries fall inside
+    pieces and inside the fused matrices' rows) has the bits of a layer packed whole, from the file
+    (partial reads, cast to bf16 on the way) and from tensors."""
+    from zimage_core.checkpoint import Checkpoint
+    from zimage_core.transformer import _layer_pieces
+    ck = Checkpoint(tiny_file)
+    layout = PackLayout(TINY, torch.bfloat16)
+    from_file = _layer_pieces(ck, TINY.block_names()[1] + ".")
+    from_tensors = {n: [(row, st.file.tensor(st.key)) for row, st in parts] for n, parts in from_file.items()}
+    for pieces in (from_file, from_tensors):
+        whole = torch.zeros(layout.numel, dtype=torch.bfloat16)
+        layout.fill(whole, pieces)
+        chunked = torch.zeros(layout.numel, dtype=torch.bfloat16)
+        for start in range(0, layout.numel, chunk):
+            part = torch.full((min(chunk, layout.numel - start),), 7.0, dtype=torch.bfloat16)
+            layout.fill(part, pieces, start)
+            chunked[start:start + part.numel()] = part
+        for n in layout.shapes:
+            assert torch.equal(layout.region(chunked, n), layout.region(whole, n)), n
+    assert layout.views(whole).qkv.abs().sum() > 0
+    ck.close()
+
+
+def test_uploads_through_a_staging_ring_of_small_chunks_are_bit_identical(tiny_file, monkeypatch):
+    """Chunks much smaller than a layer (every upload takes several turns of the ring, and the
+    ring wraps inside a layer): the output is the resident one."""
+    from zimage_core import streamer
+    monkeypatch.setattr(streamer, "STAGING_CHUNK", 1000)
+    x, t, ctx = inputs(TINY)
+    m = ZImageTransformer.load(tiny_file, device="cpu", dtype="fp32", settings=Settings(pinned_cap=TINY.fixed_params() * 4))
+    m.prepare(64, 48, resident_layers=TINY.n_blocks)
+    ref = m(x, t, ctx)
+    m.prepare(64, 48, resident_layers=0)
+    assert m.streamer.chunk * 4 < m.streamer.layout.numel
+    assert torch.equal(m(x, t, ctx), ref)
+    m.release()
+
+
 def test_fp8_storage_streams_and_matches_upcast_weights(tmp_path):
     from tools.random_weights import write_checkpoint
     path = str(tmp_path / "fp8.safetensors")

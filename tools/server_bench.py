@@ -244,7 +244,7 @@ def server_flags(a):
                 flags.append("--disable-dynamic-vram")
             else:
                 print("note: this ComfyUI has no --disable-dynamic-vram (classic memory manager only)")
-    return flags + (["--cpu"] if a.cpu else [])
+    return flags + (["--cpu"] if a.cpu else []) + a.server_arg
 
 
 def one_server(a, base, pipeline, card, tag):
@@ -346,6 +346,9 @@ def main(argv=None):
     ap.add_argument("--dynamic", choices=("on", "off"), default="on", help="off: --disable-dynamic-vram")
     ap.add_argument("--cpu", action="store_true", help="run the servers with --cpu (plumbing checks)")
     ap.add_argument("--env", action="append", default=[], metavar="K=V", help="environment of the pack's server")
+    ap.add_argument("--server-arg", action="append", default=[], metavar="ARG",
+                    help="one more main.py argument for every server (repeatable), e.g. --server-arg=--verbose "
+                         "--server-arg=DEBUG for the pack's timings")
     ap.add_argument("--json", help="write every record and the summary here (rewritten after each server)")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds to wait for one image")
     ap.add_argument("--start-timeout", type=float, default=600, help="seconds to wait for a server to answer")

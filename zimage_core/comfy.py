@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 import weakref
 
 import torch
@@ -256,7 +257,7 @@ def _plan_host_budget(device):
     BUDGET.headroom = headroom
     if "transformer" not in BUDGET.claims and torch.device(device).type == "cuda":
         p = planner.plan(ZImageConfig(), planner.device_free_bytes(device), 1024, 1024)
-        BUDGET.claim("transformer", (p.streamed_layers + 2) * p.layer_bytes)
+        BUDGET.claim("transformer", p.streamed_layers * p.layer_bytes + planner.host_room(ZImageConfig(), 0).fixed)
 
 
 def _streamed_stack(clip, pool):
@@ -319,7 +320,10 @@ def decode(vae, latent, on_tiled=None):
     model manager; after an out-of-memory error, once more on an emptied GPU; only then tiled (slower,
     slightly different), said to ``on_tiled`` and the log."""
     try:
-        return _decode_full(vae, latent)
+        start = time.perf_counter()
+        out = _decode_full(vae, latent)
+        log.debug("Z-Image: decoded in %.2f s", time.perf_counter() - start)
+        return out
     except mm.OOM_EXCEPTION:
         log.info("Z-Image: the decode ran out of memory in the room it asked for; emptying the GPU and retrying")
     mm.free_memory(1e30, vae.device)  # everything else off the GPU, then one more full try
@@ -346,10 +350,14 @@ def encode(clip, text):
         return clip.encode_from_tokens_scheduled(tokens)
     for attempt in range(2):
         try:
+            start = time.perf_counter()
             mm.load_models_gpu([streamed.patcher])  # room first, through the model manager
             with streamed.patcher.part.running():
                 out = streamed.encode_from_tokens_scheduled(tokens)
-            streamed.patcher.part.pool.report("text encoder")
+            part = streamed.patcher.part
+            part.pool.report("text encoder")
+            log.debug("Z-Image: prompt encoded in %.2f s (%d of %d layers resident)", time.perf_counter() - start,
+                      part.streamer.n_resident, len(part.layers))
             return out
         except torch.OutOfMemoryError:
             if attempt:

@@ -20,7 +20,7 @@ import torch
 
 from . import host_memory
 from .config import ZImageConfig
-from .streamer import PackLayout, residency_order
+from .streamer import PackLayout, residency_order, staging_bytes
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -38,7 +38,7 @@ class HostRoom:
     available: int   # RAM available
     headroom: int    # what ComfyUI's RAM cache keeps free
     working: int     # what a run needs beside the weights
-    fixed: int       # the transformer's fixed part and its two staging buffers
+    fixed: int       # the transformer's fixed part and its staging ring
     layers: int      # what is left for the streamed layers' masters (then the text encoder's)
 
     def as_dict(self):
@@ -50,7 +50,7 @@ def host_room(cfg: ZImageConfig, available: int, storage=torch.bfloat16, dtype=t
     """The host side of a plan for ``available`` bytes of RAM on a machine of ``total`` (default:
     the same): what stays free, what the fixed part and the staging take, what the layers get."""
     headroom = host_memory.cache_headroom(available if total is None else total)
-    fixed = cfg.fixed_params() * dtype.itemsize + 2 * PackLayout(cfg, storage).nbytes
+    fixed = cfg.fixed_params() * dtype.itemsize + staging_bytes(PackLayout(cfg, storage))
     layers = max(0, available - headroom - host_memory.WORKING_MARGIN - fixed)
     return HostRoom(available, headroom, host_memory.WORKING_MARGIN, fixed, layers)
 

@@ -38,7 +38,7 @@ MAX_HEADER = 100 << 20  # the safetensors library's limit
 # A large read is split over a few threads: one thread copying from the page cache reaches about
 # a third of what a machine's memory bandwidth allows (the mapped reads this replaced were copied
 # by torch's own threads). The reads release the GIL.
-_PIECE = 16 << 20
+_PIECE = 8 << 20
 _READERS = min(8, os.cpu_count() or 1)
 _pool = None
 _FIX_FORMAT = "Use a .safetensors export of Z-Image-Turbo (ComfyUI or diffusers layout)."
@@ -202,20 +202,23 @@ class SafetensorsFile:
 
 
 def read_many(items):
-    """Read [(StoredTensor, out)] as ``read_into`` does, all of them at once: every piece of every
-    tensor goes to the reader threads together, so a layer's five matrices are read in parallel
-    rather than one after the other."""
+    """Read [(StoredTensor, out)] or [(StoredTensor, out, first)] as ``read_into`` does (``first``:
+    ``out`` gets the tensor's elements from that one on, as many as it holds), all of them at once:
+    every piece of every tensor goes to the reader threads together, so a layer's five matrices
+    are read in parallel rather than one after the other."""
     global _pool
     jobs, casts = [], []  # (file, view, offset, key); (tensor read, destination)
-    for st, out in items:
+    for st, out, *first in items:
         f, key = st.file, st.key
         dtype = f.dtype(key)
         if out.dtype != dtype or out.device.type != "cpu" or not out.is_contiguous():
-            target = torch.empty(f.shape(key), dtype=dtype)
+            target = torch.empty(out.shape, dtype=dtype)
             casts.append((target, out))
         else:
             target = out
         start, stop = f.entries[key]["data_offsets"]
+        start += (first[0] if first else 0) * dtype.itemsize
+        stop = min(stop, start + target.numel() * dtype.itemsize)
         f.check_unchanged()
         view = memoryview(target.view(-1).view(torch.uint8).numpy()) if target.numel() else memoryview(b"")
         jobs += [(f, view[a:a + _PIECE], f._base + start + a, key) for a in range(0, stop - start, _PIECE)]

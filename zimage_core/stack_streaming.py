@@ -2,7 +2,7 @@
 through a ring of device slots while the model's own forward drives the loop.
 
 Host memory holds each weight once: the model's own tensors are the source of every upload,
-read through two pinned staging buffers (a text encoder runs once per prompt, so its layers get
+read through a ring of small pinned staging buffers (a text encoder runs once per prompt, so its layers get
 no pinned masters of their own: where ComfyUI keeps them in a file mapping, pinned copies would
 double them in RAM, for about 0.1 s a prompt).
 For a run, ``running()`` points the tensors outside the

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -22,7 +23,7 @@ from .errors import CheckpointError, NonFiniteWeights, OutOfDeviceMemory, ZImage
 from . import host_memory
 from .host_memory import HostPool, available_ram
 from .model import Chunks, ZImageDiT
-from .streamer import LayerStreamer, PackLayout, all_finite
+from .streamer import LayerStreamer, PackLayout, all_finite, staging_bytes
 
 log = logging.getLogger("zimage")
 
@@ -250,7 +251,7 @@ class ZImageTransformer(torch.nn.Module):
         s = self.streamer
         if not s.cuda:
             return None
-        staging = 0 if s._staging else 2 * s.layout.nbytes
+        staging = 0 if s._staging else staging_bytes(s.layout)
         return s.master_layers * s.layout.nbytes + max(0, s.pool.room() - staging)
 
     def prepare(self, width, height, batch=1, resident_layers=None, free_bytes=None) -> planner.Plan:
@@ -261,11 +262,15 @@ class ZImageTransformer(torch.nn.Module):
         elif not p.fits:
             raise OutOfDeviceMemory(p.summary())
         self.plan = p
+        start, before = time.perf_counter(), self.streamer.n_resident
         self._set_split(p.resident_layers, p.slots)
+        log.debug("Z-Image: split set in %.2f s (%d -> %d resident)", time.perf_counter() - start, before,
+                  self.streamer.n_resident)
         if self.streamer.cuda:
             # the streamed layers' masters, the staging buffers and the fixed part: what the host
             # budget keeps for this model however the text encoder's pools come first
-            host_memory.BUDGET.claim("transformer", self.fixed_bytes + (p.streamed_layers + 2) * p.layer_bytes)
+            host_memory.BUDGET.claim("transformer", self.fixed_bytes + p.streamed_layers * p.layer_bytes
+                                     + staging_bytes(self.streamer.layout))
         self._announce()
         self._warn_host(p)
         return p
@@ -424,6 +429,7 @@ class ZImageTransformer(torch.nn.Module):
         w = torch.randn(cfg.ffn_dim, cfg.dim, device=dev, dtype=self.dtype)
         host = self.streamer.staging_buffer()  # what an upload copies from (pinned if the budget has room)
         dst = torch.empty_like(host, device=dev)
+        chunks = self.streamer.layout.numel / host.numel()  # a layer is uploaded in this many chunks
         ev = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
         for _ in range(2):
             torch.nn.functional.linear(x, w)
@@ -436,7 +442,7 @@ class ZImageTransformer(torch.nn.Module):
             ev[3].record()
             torch.cuda.synchronize(dev)
         rate = 5 * 2 * x.shape[0] * cfg.dim * cfg.ffn_dim / (ev[0].elapsed_time(ev[1]) / 1e3)
-        return planner.compute_copy_ratio(cfg, x.shape[0], rate, ev[2].elapsed_time(ev[3]) / 1e3)
+        return planner.compute_copy_ratio(cfg, x.shape[0], rate, chunks * ev[2].elapsed_time(ev[3]) / 1e3)
 
     # -- running -----------------------------------------------------------------------------
 
