@@ -12,8 +12,10 @@ which the benchmarks use to show that nothing is pinned per image.
 """
 from __future__ import annotations
 
+import ctypes
 import logging
 import math
+import mmap
 import os
 import sys
 import threading
@@ -94,6 +96,23 @@ def _windows_memory_status():
     if not ctypes.windll.kernel32.GlobalMemoryStatusEx(ctypes.byref(status)):
         return None
     return status
+
+
+_MADV_WILLNEED = 3  # Linux
+_LIBC = ctypes.CDLL(None) if sys.platform.startswith("linux") else None
+
+
+def advise_mapped(t: torch.Tensor):
+    """Ask Linux to start reading the pages behind host tensor ``t`` now, where they map a file that
+    is not in the page cache (another model's weights, memory-mapped by their loader): the copy that
+    follows then does not fault them in a few pages at a time. A no-op for ordinary memory and
+    elsewhere."""
+    if _LIBC is None or t.device.type != "cpu" or not t.numel():
+        return
+    page = mmap.PAGESIZE
+    start = t.data_ptr() // page * page
+    stop = t.data_ptr() + t.numel() * t.element_size()
+    _LIBC.madvise(ctypes.c_void_p(start), ctypes.c_size_t(stop - start), _MADV_WILLNEED)
 
 
 def cache_headroom(total: int | None) -> int:

@@ -178,12 +178,13 @@ class SafetensorsFile:
         dtype or any other (then it is cast)."""
         read_many([(self.stored(key), out)])
 
-    def advise(self, key):
-        """Start reading tensor ``key`` from disk in the background (a no-op where the OS has no
-        such hint, or the bytes are in the page cache already)."""
-        if self._file is not None and hasattr(os, "posix_fadvise"):
+    def advise(self, key, advice=getattr(os, "POSIX_FADV_WILLNEED", None)):
+        """Tell the OS about tensor ``key``'s bytes (a no-op where it takes no such hints). The default,
+        WILLNEED: start reading them from disk in the background; DONTNEED: drop them from the page
+        cache (a copy of them is held elsewhere)."""
+        if self._file is not None and advice is not None:
             start, stop = self.entries[key]["data_offsets"]
-            os.posix_fadvise(self._file.fileno(), self._base + start, stop - start, os.POSIX_FADV_WILLNEED)
+            os.posix_fadvise(self._file.fileno(), self._base + start, stop - start, advice)
 
     def stored(self, key) -> "StoredTensor":
         return StoredTensor(self, key)
@@ -248,3 +249,8 @@ class StoredTensor:
 
     def advise(self):
         self.file.advise(self.key)
+
+    def drop(self):
+        """Its bytes leave the page cache: a pinned master holds them, and the RAM is better spent on
+        bytes that are read again (the text encoder's, the resident layers')."""
+        self.file.advise(self.key, getattr(os, "POSIX_FADV_DONTNEED", None))

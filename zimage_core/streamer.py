@@ -33,6 +33,7 @@ import torch
 
 from .config import ZImageConfig
 from .errors import NonFiniteWeights
+from . import host_memory
 from .host_memory import HostPool
 from .model import BigWeights
 from .safetensors_file import read_many
@@ -111,11 +112,22 @@ class PackLayout:
 
     @staticmethod
     def advise(pieces: dict):
-        """Ask the OS to start reading a layer's bytes from disk now (a file-backed source)."""
+        """Ask the OS to start reading a layer's bytes from disk now: a file's, or those behind a
+        tensor that maps a file (another model's weights in a memory mapping)."""
+        for parts in pieces.values():
+            for _, t in parts:
+                if isinstance(t, torch.Tensor):
+                    host_memory.advise_mapped(t)
+                else:
+                    t.advise()
+
+    @staticmethod
+    def drop(pieces: dict):
+        """A layer's file bytes leave the page cache (its master has them)."""
         for parts in pieces.values():
             for _, t in parts:
                 if not isinstance(t, torch.Tensor):
-                    t.advise()
+                    t.drop()
 
 
 def all_finite(t) -> torch.Tensor:
@@ -182,6 +194,7 @@ class LayerStreamer:
             self.pool.free(buf)
             raise
         self.host[i] = buf
+        self.layout.drop(self.sources[i])
         return True
 
     def ensure_host(self, i):
