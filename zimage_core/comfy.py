@@ -340,6 +340,25 @@ def decode(vae, latent, on_tiled=None):
     return vae.decode_tiled(latent)
 
 
+_warned_disk = [False]
+
+
+def _warn_text_encoder_from_disk(stack):
+    """Once: where the RAM the host budget leaves (beside the transformer's pinned layers and
+    ComfyUI's headroom) cannot keep the text encoder's file cached, every new prompt reads it from
+    the disk again; say so, and what would help."""
+    te_bytes = len(stack.layers) * stack.layout.nbytes
+    room = BUDGET.room("text encoder")
+    if _warned_disk[0] or room >= te_bytes or available_ram() is None:
+        return
+    _warned_disk[0] = True
+    log.warning("Z-Image: the text encoder's %.1f GiB do not fit in the %.1f GiB of RAM left beside the "
+                "transformer's pinned layers and the %.1f GiB ComfyUI keeps free: it is read from the disk "
+                "for every new prompt (seconds, not tenths). What would help: the fp8 transformer "
+                "checkpoint (half the pinned RAM), more RAM, or closing other programs.",
+                te_bytes / planner.GiB, room / planner.GiB, BUDGET.headroom / planner.GiB)
+
+
 def encode(clip, text):
     """CONDITIONING for ``text``: ComfyUI's own encode, with the text encoder's decoder layers
     streamed when that is possible. Its weights, kernels and dtypes are the model's own, so the
@@ -356,6 +375,7 @@ def encode(clip, text):
                 out = streamed.encode_from_tokens_scheduled(tokens)
             part = streamed.patcher.part
             part.pool.report("text encoder")
+            _warn_text_encoder_from_disk(part)
             log.debug("Z-Image: prompt encoded in %.2f s (%d of %d layers resident)", time.perf_counter() - start,
                       part.streamer.n_resident, len(part.layers))
             return out
