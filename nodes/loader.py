@@ -29,7 +29,7 @@ class ZImageModelLoader(io.ComfyNode):
                 io.Combo.Input("unet_name", options=folder_paths.get_filename_list("diffusion_models"),
                                tooltip="The Z-Image-Turbo transformer in models/diffusion_models, e.g. "
                                        "z_image_turbo_bf16.safetensors (or the fp8 export for less RAM)."),
-                io.Combo.Input("weight_dtype", options=["default", "bf16", "fp8_e4m3fn", "fp16", "fp32"],
+                io.Combo.Input("weight_dtype", options=["default", *zcomfy.STORAGE_DTYPES],
                                default="default",
                                tooltip="How the layers are kept and streamed. default: as stored (fp8 stays fp8, "
                                        "the rest in the compute dtype). fp16 can overflow into black images: "

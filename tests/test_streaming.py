@@ -70,10 +70,12 @@ def test_sampling_is_identical_streamed_and_resident(model):
     model.prepare(64, 48, resident_layers=TINY.n_blocks)
     ref = euler_sample(model, x, ctx, steps=3)
     model.prepare(64, 48, resident_layers=1)
-    model.streamer.uploads = 0
+    uploads = []
+    handle = model.streamer.register_upload_hook(lambda i, upload: uploads.append(i) or upload())
     assert torch.equal(euler_sample(model, x, ctx, steps=3), ref)
+    handle.remove()
     # each step's layers once: the first two steps queue the next one's first layers, the last none
-    assert model.streamer.uploads == 3 * (TINY.n_blocks - 1)
+    assert len(uploads) == 3 * (TINY.n_blocks - 1)
 
 
 def test_out_of_memory_evicts_and_retries(tiny_file):
@@ -270,13 +272,14 @@ def test_uploads_run_ahead_into_the_next_forward_only_when_asked():
     s = LayerStreamer(layout, sources, "cpu", HostPool())
     s.configure(r, k)
     assert sorted(s.resident) == [1, 3] and s.streamed == [0, 2, 4, 5, 6]
-    s.uploads = 0
+    uploads = []
+    s.register_upload_hook(lambda i, upload: uploads.append(i) or upload())
     for forward, ahead in enumerate([True, True, True, False]):
         s.prefetch_first()
         assert s.run_layers([], lambda i, x, w: x + [int(w["w"][0, 0])], next_forward=ahead) == list(range(n))
         held = sorted(int(t[0]) for t in s.slots)
         assert held == ([0, 2, 4] if ahead else [4, 5, 6]), forward
-    assert s.uploads == 4 * (n - r)
+    assert len(uploads) == 4 * (n - r)
 
     def stop_at_5(i, x, w):
         if i == 5:
@@ -301,8 +304,10 @@ def test_set_weight_reaches_a_layer_uploaded_ahead(tiny_file):
     m.set_weight(key, m.base_weight(key))
     m.prepare(64, 48, resident_layers=1)
     more = {"sample_sigmas": torch.tensor([1.0, 0.5, 0.0]), "sigmas": torch.tensor([1.0])}
+    uploads = []
+    m.streamer.register_upload_hook(lambda i, upload: uploads.append(i) or upload())
     m(x, t, ctx, transformer_options=more)
-    assert m.streamer.uploads and int(m.streamer._queued) > int(m.streamer._base)
+    assert uploads and int(m.streamer._queued) > int(m.streamer._base)
     m.set_weight(key, m.base_weight(key) * 1.5)
     assert torch.equal(m(x, t, ctx), patched)
     m.release()

@@ -11,6 +11,7 @@ import torch
 
 from zimage_core.__main__ import GiB, _Parser, count, gib, run, size_arguments
 from zimage_core.config import ZImageConfig
+from zimage_core.transformer import STORAGE_DTYPES
 
 from . import bench
 from .random_weights import write_checkpoint
@@ -51,8 +52,7 @@ def checkpoint_out(text):
 
 def _random(a):
     cfg = ZImageConfig(n_layers=a.layers)
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
-             "fp8_e4m3fn": torch.float8_e4m3fn}[a.dtype]
+    dtype = STORAGE_DTYPES[a.dtype]
     folder = os.path.dirname(os.path.abspath(a.out))
     if not os.path.isdir(folder):
         try:
@@ -108,7 +108,7 @@ def main(argv=None):
     r.add_argument("out", type=checkpoint_out,
                    help="the .safetensors file to write (its folder is created if missing)")
     r.add_argument("--layers", type=count(1, 64), default=30, help="main transformer layers (default 30)")
-    r.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32", "fp8_e4m3fn"])
+    r.add_argument("--dtype", default="bf16", choices=list(STORAGE_DTYPES))
     r.add_argument("--seed", type=count(0, 2**64 - 1), default=0)
     r.add_argument("--device", type=device, default="cpu", help="where to draw the random numbers (cuda is faster)")
     r.set_defaults(fn=_random)

@@ -8,6 +8,7 @@ uploads alone.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import statistics
 import subprocess
@@ -107,6 +108,26 @@ def run(weights, width, height, steps=8, seed=0, splits=(None,), device=None, re
     return results
 
 
+@contextlib.contextmanager
+def _upload_hook(streamer, hook):
+    handle = streamer.register_upload_hook(hook)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def _timed_upload(copies, stream, i, upload):
+    if stream is None:  # on the CPU: counted, not timed
+        copies.append(None)
+        return upload()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record(stream)
+    upload()
+    end.record(stream)
+    copies.append((start, end))
+
+
 def _run(model, dev, width, height, steps, seed, resident_layers, resident, cap_tokens):
     cfg = model.cfg
     g = torch.Generator().manual_seed(seed)
@@ -125,21 +146,15 @@ def _run(model, dev, width, height, steps, seed, resident_layers, resident, cap_
         torch.cuda.synchronize(dev)
         held = torch.cuda.memory_allocated(dev)
         torch.cuda.reset_peak_memory_stats(dev)
-    s.uploads = 0
-    s.profile, s.copy_events = True, []
-    out, times = _timed_steps(model, noise, ctx, steps)
-    s.profile = False
+    copies = []  # (start, end) events of each upload into a slot
+    with _upload_hook(s, functools.partial(_timed_upload, copies, s.copy_stream)):
+        out, times = _timed_steps(model, noise, ctx, steps)
     s.synchronize()
-    copy_s = sum(a.elapsed_time(b) for a, b in s.copy_events) / 1e3
-    streamed_bytes = s.uploads * s.layout.nbytes / steps
+    copy_s = sum(e[0].elapsed_time(e[1]) for e in copies if e) / 1e3
+    streamed_bytes = len(copies) * s.layout.nbytes / steps
     bw = pinned_bandwidth(model)
-    # compute alone, same memory, uploads skipped
-    real_prefetch = s._prefetch
-    s._prefetch = lambda i, k: None
-    try:
+    with _upload_hook(s, lambda i, upload: None):  # compute alone, same memory, uploads skipped
         _, compute_times = _timed_steps(model, noise, ctx, steps)
-    finally:
-        s._prefetch = real_prefetch
     step = statistics.median(times[1:] or times)
     compute = statistics.median(compute_times[1:] or compute_times)
     bound = max(compute, streamed_bytes / bw) if bw else compute
@@ -152,7 +167,7 @@ def _run(model, dev, width, height, steps, seed, resident_layers, resident, cap_
         "pinned_layers": s.pinned_layers, "file_layers": s.n_streamed - s.master_layers,
         "first_step_s": times[0], "median_step_s": step, "compute_step_s": compute,
         "streamed_bytes_per_step": streamed_bytes,
-        "copy_bandwidth_Bps": (s.uploads * s.layout.nbytes / copy_s) if copy_s else None,
+        "copy_bandwidth_Bps": (len(copies) * s.layout.nbytes / copy_s) if copy_s else None,
         "pinned_bandwidth_Bps": bw, "bound_s": bound, "ratio_to_bound": step / bound,
         "output_sha256": hashlib.sha256(out.cpu().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest(),
     }

@@ -11,7 +11,7 @@ import struct
 
 import torch
 
-from zimage_core.checkpoint import COMFY_PREFIX, expected_shapes
+from zimage_core.checkpoint import COMFY_PREFIX, diffusers_keys, expected_shapes
 from zimage_core.config import ZImageConfig
 from zimage_core.safetensors_file import DTYPES
 
@@ -30,15 +30,7 @@ def to_layout(key, layout):
         return [(key, None)]
     if layout == "comfyui-prefixed":
         return [(COMFY_PREFIX + key, None)]
-    if key.endswith("attention.qkv.weight"):
-        base = key[: -len("qkv.weight")]
-        return [(f"{base}to_{n}.weight", i) for i, n in enumerate("qkv")]
-    for a, b in (("x_embedder.", "all_x_embedder.2-1."), ("final_layer.", "all_final_layer.2-1.")):
-        if key.startswith(a):
-            return [(b + key[len(a):], None)]
-    return [(key.replace(".attention.out.", ".attention.to_out.0.")
-             .replace(".attention.q_norm.", ".attention.norm_q.")
-             .replace(".attention.k_norm.", ".attention.norm_k."), None)]
+    return diffusers_keys(key)
 
 
 def write_safetensors(path, tensors):

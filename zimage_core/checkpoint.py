@@ -12,7 +12,7 @@ import re
 
 import torch
 
-from .config import ZImageConfig
+from .config import BIG_KEYS, ZImageConfig
 from .errors import CheckpointError
 from .safetensors_file import SafetensorsFile
 
@@ -26,6 +26,17 @@ _DIFFUSERS_RENAMES = [
     (".attention.norm_k.", ".attention.k_norm."),
 ]
 _QKV = re.compile(r"^(.*\.attention\.)to_([qkv])\.weight$")
+
+
+def diffusers_keys(key: str) -> list:
+    """Canonical ``key`` -> [(diffusers key, part)]: the renames above backwards, and a fused q/k/v
+    projection as its three parts (rows 0, 1, 2 of three; None: the whole tensor)."""
+    if key.endswith(".attention.qkv.weight"):
+        base = key[:-len("qkv.weight")]
+        return [(f"{base}to_{n}.weight", i) for i, n in enumerate("qkv")]
+    for a, b in _DIFFUSERS_RENAMES:
+        key = key.replace(b, a) if b.startswith(".") else (a + key[len(b):] if key.startswith(b) else key)
+    return [(key, None)]
 _OTHER_MODELS = [
     ("double_blocks.", "a Flux transformer"),
     ("decoder.conv_in.weight", "a VAE"),
@@ -45,8 +56,7 @@ def expected_shapes(cfg: ZImageConfig) -> dict:
 
     def block(prefix, modulated):
         for name, shape in cfg.big_shapes.items():
-            part = "attention" if name in ("qkv", "out") else "feed_forward"
-            out[f"{prefix}{part}.{name}.weight"] = shape
+            out[f"{prefix}{BIG_KEYS[name]}.weight"] = shape
         out[f"{prefix}attention.q_norm.weight"] = (hd,)
         out[f"{prefix}attention.k_norm.weight"] = (hd,)
         for n in ("attention_norm1", "attention_norm2", "ffn_norm1", "ffn_norm2"):

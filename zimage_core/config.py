@@ -3,6 +3,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# The five matrices of a block that are worth streaming, in packing order: name -> key in the block
+BIG_KEYS = {"qkv": "attention.qkv", "out": "attention.out", "w1": "feed_forward.w1",
+            "w3": "feed_forward.w3", "w2": "feed_forward.w2"}
+
 
 @dataclass(frozen=True)
 class ZImageConfig:
@@ -28,9 +32,10 @@ class ZImageConfig:
 
     @property
     def big_shapes(self) -> dict:
-        """The five matrices of a block that are worth streaming, in packing order."""
+        """``BIG_KEYS``' matrices and their shapes."""
         d, f = self.dim, self.ffn_dim
-        return {"qkv": (3 * d, d), "out": (d, d), "w1": (f, d), "w3": (f, d), "w2": (d, f)}
+        shapes = {"qkv": (3 * d, d), "out": (d, d), "w1": (f, d), "w3": (f, d), "w2": (d, f)}
+        return {name: shapes[name] for name in BIG_KEYS}
 
     def image_tokens(self, width: int, height: int) -> int:
         p = self.patch_size * 8

@@ -27,9 +27,12 @@ short pause that two slots cover, so the memory of extra slots goes to resident 
 """
 from __future__ import annotations
 
+import collections
+import functools
 import math
 
 import torch
+from torch.utils.hooks import RemovableHandle
 
 from .config import ZImageConfig
 from .errors import NonFiniteWeights
@@ -177,9 +180,7 @@ class LayerStreamer:
         self.check_finite = check_finite
         self._unchecked = set(range(self.n_layers)) if check_finite else set()
         self._checks = []                      # (layer, {name: 0-d bool on the device}) of this forward
-        self.profile = False
-        self.copy_events = []                  # (start, end) per upload while profiling
-        self.uploads = 0                       # streamed uploads since the last reset
+        self._upload_hooks = collections.OrderedDict()  # what ``register_upload_hook`` added (a handle needs a weakref)
 
     # -- host side -------------------------------------------------------------------------
 
@@ -225,6 +226,10 @@ class LayerStreamer:
             self.layout.fill(dst, self.sources[i])
         else:
             self._stage(i, dst)
+
+    def staging_due(self) -> int:
+        """Host bytes the staging ring takes when it is made (0 once it is)."""
+        return 0 if self._staging else staging_bytes(self.layout)
 
     def staging_buffer(self) -> torch.Tensor:
         """A staging buffer (made if there is none yet)."""
@@ -337,19 +342,23 @@ class LayerStreamer:
         it queues its own. Slots are refilled in queue order, so nothing needs to wait here."""
         self._base = self._queued = 0
 
+    def register_upload_hook(self, hook) -> RemovableHandle:
+        """``hook(layer, upload)`` runs in place of each upload into a slot (on the copy stream, on a
+        GPU) and performs it by calling ``upload()``: benchmarks time it or skip it (to time the
+        compute alone), tests count it. ``handle.remove()`` takes the hook away."""
+        handle = RemovableHandle(self._upload_hooks)
+        self._upload_hooks[handle.id] = hook
+        return handle
+
     def _prefetch(self, i, k):
-        self.uploads += 1
+        upload = functools.partial(self._upload, i, self.slots[k])
+        for hook in self._upload_hooks.values():
+            upload = functools.partial(hook, i, upload)
         if not self.cuda:
-            return self._upload(i, self.slots[k])
+            return upload()
         with torch.cuda.stream(self.copy_stream):
             self.copy_stream.wait_event(self._free[k])
-            if self.profile:
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record(self.copy_stream)
-            self._upload(i, self.slots[k])
-            if self.profile:
-                end.record(self.copy_stream)
-                self.copy_events.append((start, end))
+            upload()
             self._ready[k].record(self.copy_stream)
 
     def _queue(self, pos):

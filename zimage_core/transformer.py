@@ -18,7 +18,7 @@ import torch
 
 from . import planner
 from .checkpoint import Checkpoint
-from .config import ZImageConfig
+from .config import BIG_KEYS, ZImageConfig
 from .errors import CheckpointError, NonFiniteWeights, OutOfDeviceMemory, ZImageError
 from . import host_memory
 from .host_memory import HostPool, available_ram
@@ -34,13 +34,8 @@ STORAGE_DTYPES = dict(COMPUTE_DTYPES, fp8_e4m3fn=torch.float8_e4m3fn)
 CPU_PIECE_FLOPS = 2e10
 
 
-# the five big matrices of a block: layout name -> canonical key inside the block
-_BIG_NAMES = {"qkv": "attention.qkv", "out": "attention.out", "w1": "feed_forward.w1",
-              "w3": "feed_forward.w3", "w2": "feed_forward.w2"}
-
-
 def _layer_pieces(ckpt: Checkpoint, prefix: str) -> dict:
-    return {n: ckpt.pieces(f"{prefix}{k}.weight") for n, k in _BIG_NAMES.items()}
+    return {n: ckpt.pieces(f"{prefix}{k}.weight") for n, k in BIG_KEYS.items()}
 
 
 @dataclass(frozen=True)
@@ -251,8 +246,7 @@ class ZImageTransformer(torch.nn.Module):
         s = self.streamer
         if not s.cuda:
             return None
-        staging = 0 if s._staging else staging_bytes(s.layout)
-        return s.master_layers * s.layout.nbytes + max(0, s.pool.room() - staging)
+        return s.master_layers * s.layout.nbytes + max(0, s.pool.room() - s.staging_due())
 
     def prepare(self, width, height, batch=1, resident_layers=None, free_bytes=None) -> planner.Plan:
         """Set the split for an image of this size: planned, or forced to ``resident_layers``."""
@@ -363,7 +357,7 @@ class ZImageTransformer(torch.nn.Module):
     def _big_slot(self, key):
         """(streamer block index, matrix name) for a big matrix's canonical key, else None."""
         parts = key.split(".")
-        names = {v: k for k, v in _BIG_NAMES.items()}
+        names = {v: k for k, v in BIG_KEYS.items()}
         block = self.block_index.get(".".join(parts[:2]))
         if len(parts) == 5 and parts[4] == "weight" and ".".join(parts[2:4]) in names and block is not None:
             return block, names[".".join(parts[2:4])]
@@ -464,7 +458,7 @@ class ZImageTransformer(torch.nn.Module):
                 return out
             except NonFiniteWeights as e:
                 raise CheckpointError(self.ckpt.path, f"has NaN or infinite values in "
-                                      f"{self.cfg.block_names()[e.layer]}.{_BIG_NAMES[e.name]}.weight.",
+                                      f"{self.cfg.block_names()[e.layer]}.{BIG_KEYS[e.name]}.weight.",
                                       "The file is damaged: download it again.") from None
             except torch.OutOfMemoryError:
                 if not self._evict_one():
