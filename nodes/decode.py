@@ -1,6 +1,6 @@
 from comfy_api.latest import io
 
-from ..zimage_core import comfy as zcomfy
+from ..zimage_core import bridge
 from .checks import finite_latent
 from .status import aliases, node_id, show
 
@@ -27,4 +27,4 @@ class ZImageDecode(io.ComfyNode):
         if latent.ndim == 5:
             latent = latent[:, :, 0]
         finite_latent(latent, "The latent to decode holds NaN or infinity: the image would be black")
-        return io.NodeOutput(zcomfy.decode(vae, latent, on_tiled=lambda text: show(node_id(cls), text)))
+        return io.NodeOutput(bridge.decode(vae, latent, on_tiled=lambda text: show(node_id(cls), text)))

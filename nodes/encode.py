@@ -1,6 +1,6 @@
 from comfy_api.latest import io
 
-from ..zimage_core import comfy as zcomfy
+from ..zimage_core import bridge
 from .status import aliases, node_id, show
 
 
@@ -32,4 +32,4 @@ class ZImageTextEncode(io.ComfyNode):
             raise RuntimeError("Z-Image Text Encode got no text encoder: connect a CLIPLoader with "
                                "qwen_3_4b.safetensors and type lumina2.")
         show(node_id(cls), "Z-Image: encoding the prompt")
-        return io.NodeOutput(zcomfy.encode(clip, text))
+        return io.NodeOutput(bridge.encode(clip, text))

@@ -3,7 +3,7 @@ import os
 import folder_paths
 from comfy_api.latest import io
 
-from ..zimage_core import comfy as zcomfy
+from ..zimage_core import bridge
 from .checks import number
 from .status import aliases, node_id, show
 
@@ -29,7 +29,7 @@ class ZImageModelLoader(io.ComfyNode):
                 io.Combo.Input("unet_name", options=folder_paths.get_filename_list("diffusion_models"),
                                tooltip="The Z-Image-Turbo transformer in models/diffusion_models, e.g. "
                                        "z_image_turbo_bf16.safetensors (or the fp8 export for less RAM)."),
-                io.Combo.Input("weight_dtype", options=["default", *zcomfy.STORAGE_DTYPES],
+                io.Combo.Input("weight_dtype", options=["default", *bridge.STORAGE_DTYPES],
                                default="default",
                                tooltip="How the layers are kept and streamed. default: as stored (fp8 stays fp8, "
                                        "the rest in the compute dtype). fp16 can overflow into black images: "
@@ -65,13 +65,10 @@ class ZImageModelLoader(io.ComfyNode):
     def execute(cls, unet_name, weight_dtype, vram, resident_layers, leave_free_gb):
         number("leave_free_gb", leave_free_gb, 0.0, MAX_LEAVE_FREE, "GiB of GPU memory to leave free; 0 leaves none")
         path = folder_paths.get_full_path_or_raise("diffusion_models", unet_name)
-        settings = zcomfy.Settings(max_resident=resident_layers if vram == "max_resident_layers" else None,
+        settings = bridge.Settings(max_resident=resident_layers if vram == "max_resident_layers" else None,
                                    leave_free=int((leave_free_gb if vram == "leave_free_gb" else 0.0) * (1 << 30)))
-        model = zcomfy.load_model(path, weight_dtype=weight_dtype, settings=settings)
-        t = model.zimage
-        n = t.cfg.n_blocks
-        held = "read from the file as the first image needs them" if t.streamer.cuda else "in host memory (CPU)"
-        text = f"Z-Image: {unet_name}: {n} layers ({t.cfg.n_layers} main, {n - t.cfg.n_layers} refiners), {held}"
+        model = bridge.load_model(path, weight_dtype=weight_dtype, settings=settings)
+        text = bridge.describe(model, unet_name)
         for name, value, default, mode in (("resident_layers", resident_layers, DEFAULT_RESIDENT, "max_resident_layers"),
                                            ("leave_free_gb", leave_free_gb, DEFAULT_LEAVE_FREE, "leave_free_gb")):
             if vram != mode and value != default:  # set but not used: say so rather than ignore it silently

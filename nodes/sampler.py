@@ -1,43 +1,11 @@
-import contextlib
-
-import comfy.model_management
-import comfy.model_sampling
-import comfy.sample
-import comfy.samplers
-import comfy.utils
-import latent_preview
-import torch
 from comfy_api.latest import io
 
+from ..zimage_core import bridge
 from .checks import finite_latent, number
 from .status import aliases, node_id, show
 
 MAX_SIDE = 4096
 MAX_CFG = MAX_SHIFT = 100.0
-
-
-class _FlowSampling(comfy.model_sampling.ModelSamplingDiscreteFlow, comfy.model_sampling.CONST):
-    """Flow matching with a static shift: what ModelSamplingAuraFlow installs."""
-
-
-def shifted_sigmas(model, scheduler, steps, shift):
-    """The schedule ModelSamplingAuraFlow(shift) would give. Computed here instead of patching a
-    clone of the model: a clone that dies when this node returns would leave ComfyUI's model
-    manager with a dead entry for a model that still holds GPU memory, which it then cannot free."""
-    sampling = _FlowSampling(model.model.model_config)
-    sampling.set_parameters(shift=shift, multiplier=1.0)
-    return comfy.samplers.calculate_sigmas(sampling, scheduler, steps)
-
-
-def zero_conditioning(conditioning):
-    """A negative with the positive's shapes and zeros (ConditioningZeroOut); with cfg 1 it is never run."""
-    out = []
-    for cond, extra in conditioning:
-        extra = extra.copy()
-        if extra.get("pooled_output") is not None:
-            extra["pooled_output"] = torch.zeros_like(extra["pooled_output"])
-        out.append([torch.zeros_like(cond), extra])
-    return out
 
 
 def check_side(name, value):
@@ -78,9 +46,9 @@ class ZImageSampler(io.ComfyNode):
                 io.Float.Input("shift", default=3.0, min=0.0, max=MAX_SHIFT, step=0.01,
                                tooltip="Timestep shift of the schedule (ModelSamplingAuraFlow's shift). "
                                        "Z-Image-Turbo uses 3; higher spends more steps on coarse structure."),
-                io.Combo.Input("sampler_name", options=comfy.samplers.KSampler.SAMPLERS, default="res_multistep",
+                io.Combo.Input("sampler_name", options=bridge.SAMPLERS, default="res_multistep",
                                tooltip="The sampling method; res_multistep is what Z-Image-Turbo's template uses."),
-                io.Combo.Input("scheduler", options=comfy.samplers.KSampler.SCHEDULERS, default="simple",
+                io.Combo.Input("scheduler", options=bridge.SCHEDULERS, default="simple",
                                tooltip="How the noise levels are spaced over the steps; Z-Image-Turbo uses simple."),
             ],
             outputs=[io.Latent.Output()],
@@ -96,16 +64,7 @@ class ZImageSampler(io.ComfyNode):
         number("cfg", cfg, 0.0, MAX_CFG, "Z-Image-Turbo uses 1")
         number("shift", shift, 0.0, MAX_SHIFT, "Z-Image-Turbo uses 3")
         node = node_id(cls)
-        transformer = getattr(model, "zimage", None)
-        # the split's status goes to this node while it samples
-        with contextlib.nullcontext() if transformer is None else transformer.status_to(lambda text: show(node, text)):
-            latent = torch.zeros([batch_size, 16, height // 8, width // 8], device=comfy.model_management.intermediate_device())
-            latent = comfy.sample.fix_empty_latent_channels(model, latent)
-            noise = comfy.sample.prepare_noise(latent, seed)
-            samples = comfy.sample.sample(model, noise, steps, cfg, sampler_name, scheduler, positive,
-                                          negative if negative is not None else zero_conditioning(positive), latent,
-                                          denoise=1.0, sigmas=shifted_sigmas(model, scheduler, steps, shift),
-                                          callback=latent_preview.prepare_callback(model, steps),
-                                          disable_pbar=not comfy.utils.PROGRESS_BAR_ENABLED, seed=seed)
+        samples = bridge.sample(model, positive, negative, width, height, batch_size, seed, steps, cfg, shift,
+                                sampler_name, scheduler, on_status=lambda text: show(node, text))
         finite_latent(samples, "The image came out non-finite (NaN or infinity) after sampling")
         return io.NodeOutput({"samples": samples})

@@ -20,7 +20,7 @@ import comfy.sd  # noqa: E402
 import comfy.supported_models  # noqa: E402
 import comfy.utils  # noqa: E402
 
-from zimage_core import comfy as zc  # noqa: E402
+from zimage_core.bridge import model as zc  # noqa: E402
 from zimage_core.checkpoint import Checkpoint  # noqa: E402
 from zimage_core.transformer import ZImageTransformer  # noqa: E402
 

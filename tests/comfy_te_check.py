@@ -15,7 +15,7 @@ comfy_process.start(comfy_path)
 import torch  # noqa: E402
 import comfy.sd  # noqa: E402
 
-from zimage_core import comfy as zc  # noqa: E402
+from zimage_core import bridge as zc  # noqa: E402
 
 messages = []
 

@@ -22,7 +22,7 @@ import nodes  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(comfy_process.PACK_ROOT))
 pack = importlib.import_module(os.path.basename(comfy_process.PACK_ROOT) + ".nodes")
-zc = sys.modules[os.path.basename(comfy_process.PACK_ROOT) + ".zimage_core.comfy"]
+zc = sys.modules[os.path.basename(comfy_process.PACK_ROOT) + ".zimage_core.bridge"]
 
 vae = comfy.sd.VAE(sd=comfy.utils.load_torch_file(os.path.join(weights, "ae.safetensors")))
 own = {k: v.data_ptr() for k, v in vae.first_stage_model.state_dict().items()}

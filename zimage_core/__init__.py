@@ -1,5 +1,5 @@
 """Z-Image-Turbo transformer core: checkpoint reading, layer streaming, planning, host memory.
-Imports only torch (and the standard library); ComfyUI is met in ``zimage_core.comfy``."""
+Imports only torch (and the standard library); ComfyUI is met in ``zimage_core.bridge``."""
 from .checkpoint import Checkpoint
 from .config import ZImageConfig
 from .errors import CheckpointError, OutOfDeviceMemory, ZImageError

@@ -64,6 +64,8 @@ def _optional(module_name, attr) -> str | None:
 
 
 def reaches() -> list:
+    import latent_preview
+
     import comfy.conds
     import comfy.float
     import comfy.ldm.modules.attention
@@ -71,14 +73,17 @@ def reaches() -> list:
     import comfy.model_base
     import comfy.model_management as mm
     import comfy.model_patcher as mp
+    import comfy.model_sampling
     import comfy.patcher_extension
+    import comfy.sample
+    import comfy.samplers
     import comfy.sd
     import comfy.supported_models
 
     return [
         Reach("ModelPatcher's loading protocol, overridden by the pack's patchers: load, partially_load, "
-              "partially_unload, unpatch_model, patch_model, model_size, loaded_size", "comfy.py: ZImagePatcher, "
-              "PinnedPatcher",
+              "partially_unload, unpatch_model, patch_model, model_size, loaded_size", "model.py: ZImagePatcher, "
+              "pinned.py: PinnedPatcher",
               lambda: _methods(mp.ModelPatcher, load=("device_to", "lowvram_model_memory", "force_patch_weights",
                                                       "full_load"),
                                partially_load=("device_to", "extra_memory", "force_patch_weights"),
@@ -87,36 +92,36 @@ def reaches() -> list:
                                patch_model=("device_to", "lowvram_model_memory", "load_weights"),
                                model_size=(), loaded_size=(), add_callback=("call_type", "callback"))),
         Reach("The bookkeeping ComfyUI reads off a model, written by the pack: model_loaded_weight_memory, "
-              "model_lowvram, device", "comfy.py: ZImagePatcher._sync",
+              "model_lowvram, device", "model.py: ZImagePatcher._sync",
               lambda: _source_mentions(mp, "model_loaded_weight_memory", "model_lowvram")),
-        Reach("Weight patches and hooks on a patcher: patches, patches_uuid, forced_hooks", "comfy.py: "
-              "_pinned_patcher, ZImagePatcher._apply_patches",
+        Reach("Weight patches and hooks on a patcher: patches, patches_uuid, forced_hooks", "pinned.py: pinned_patcher, "
+              "model.py: ZImagePatcher._apply_patches",
               lambda: _source_mentions(mp.ModelPatcher.__init__, "self.patches", "self.patches_uuid",
                                        "self.forced_hooks")),
         Reach("Which patchers ComfyUI holds on the GPU: model_management.current_loaded_models and "
-              "LoadedModel.model", "comfy.py: _loaded_by_comfy",
+              "LoadedModel.model", "pinned.py: _loaded_by_comfy",
               lambda: _attributes(mm, "current_loaded_models") or _source_mentions(mm.LoadedModel, "def model")),
         Reach("Dynamic VRAM marks the modules it manages with an attribute _v (absent before v0.20)",
-              "comfy.py: _pinned_patcher",
+              "pinned.py: pinned_patcher",
               lambda: _source_mentions(mp, "m._v = ") if hasattr(mp, "ModelPatcherDynamic") else None,
               "v0.20.1, v0.28.0"),
         Reach("model_mmap_residency and pinned_memory_size, overridden to say the pack's host copies are "
-              "its own (only in newer versions)", "comfy.py: ZImagePatcher, PinnedPatcher",
+              "its own (only in newer versions)", "model.py: ZImagePatcher, pinned.py: PinnedPatcher",
               lambda: None if not hasattr(mp.ModelPatcher, "pinned_memory_size") else
               _methods(mp.ModelPatcher, pinned_memory_size=()), "v0.20.1, v0.28.0"),
         Reach("The RAM-pressure cache's headroom, comfy.memory_management.RAM_CACHE_HEADROOM (absent in v0.8)",
-              "comfy.py: _ram_cache_headroom",
+              "memory.py: _ram_cache_headroom",
               lambda: _optional("comfy.memory_management", "RAM_CACHE_HEADROOM"), "v0.20.1, v0.28.0"),
         Reach("The Z-Image base model: model_base.Lumina2 with memory_required(input_shape, cond_shapes) and "
-              "extra_conds(**kwargs), subclassed", "comfy.py: ZImageModel",
+              "extra_conds(**kwargs), subclassed", "model.py: ZImageModel",
               lambda: _methods(comfy.model_base.Lumina2, memory_required=("input_shape",), extra_conds=())),
         Reach("The Z-Image model config built from a hand-written unet_config: supported_models.ZImage, "
-              "supported_inference_dtypes, set_inference_dtype", "comfy.py: unet_config, load_model",
+              "supported_inference_dtypes, set_inference_dtype", "model.py: unet_config, load_model",
               lambda: _attributes(comfy.supported_models, "ZImage")
               or _attributes(comfy.supported_models.ZImage, "supported_inference_dtypes", "set_inference_dtype")),
         Reach("ModelPatcher's weight-patch formula, re-implemented: lora.calculate_weight(patches, weight, key), "
               "float.stochastic_rounding(value, dtype, seed), model_patcher.string_to_seed, "
-              "model_management.lora_compute_dtype", "comfy.py: ZImagePatcher._apply_patches",
+              "model_management.lora_compute_dtype", "model.py: ZImagePatcher._apply_patches",
               lambda: _params(comfy.lora.calculate_weight, "patches", "weight", "key")
               or _params(comfy.float.stochastic_rounding, "value", "dtype", "seed")
               or _attributes(mp, "string_to_seed") or _attributes(mm, "lora_compute_dtype")
@@ -124,25 +129,40 @@ def reaches() -> list:
                                   "stochastic_rounding", "string_to_seed")),
         Reach("The model manager's calls: load_models_gpu(models, memory_required, force_full_load), "
               "free_memory(memory_required, device), unet_dtype, unet_manual_cast, get_torch_device, "
-              "unet_offload_device, throw_exception_if_processing_interrupted", "comfy.py",
+              "unet_offload_device, throw_exception_if_processing_interrupted", "the bridge",
               lambda: _params(mm.load_models_gpu, "models", "memory_required", "force_full_load")
               or _params(mm.free_memory, "memory_required", "device")
               or _params(mm.unet_dtype, "model_params", "supported_dtypes", "weight_dtype")
               or _attributes(mm, "unet_manual_cast", "get_torch_device", "unet_offload_device",
                              "throw_exception_if_processing_interrupted", "OOM_EXCEPTION", "soft_empty_cache")),
         Reach("ComfyUI's attention kernel: optimized_attention(q, k, v, heads, ..., skip_reshape)",
-              "comfy.py: comfy_attention",
+              "model.py: comfy_attention",
               lambda: _params(comfy.ldm.modules.attention.optimized_attention, "skip_reshape")
               if callable(comfy.ldm.modules.attention.optimized_attention) else "optimized_attention is gone"),
-        Reach("Prompt embeddings wrapped as conds.CONDRegular", "comfy.py: ZImageModel.extra_conds",
+        Reach("Prompt embeddings wrapped as conds.CONDRegular", "model.py: ZImageModel.extra_conds",
               lambda: _attributes(comfy.conds, "CONDRegular")),
-        Reach("A patcher's load callback: patcher_extension.CallbacksMP.ON_LOAD", "comfy.py: _pinned_patcher",
+        Reach("A patcher's load callback: patcher_extension.CallbacksMP.ON_LOAD", "pinned.py: pinned_patcher",
               lambda: _attributes(comfy.patcher_extension.CallbacksMP, "ON_LOAD")),
         Reach("VAE.decode, re-implemented for a decode in one piece: first_stage_model, patcher, vae_dtype, "
-              "device, output_device, process_output, decode_tiled", "comfy.py: decode, pinned_vae",
+              "device, output_device, process_output, decode_tiled", "vae.py: decode, pinned_vae",
               lambda: _source_mentions(comfy.sd.VAE, "self.first_stage_model", "self.patcher", "self.vae_dtype",
                                        "self.device", "self.output_device", "self.process_output",
                                        "def decode_tiled")),
+        Reach("Sampling as KSampler samples: sample.sample(..., sigmas, callback, disable_pbar, seed), "
+              "prepare_noise, fix_empty_latent_channels, samplers.calculate_sigmas, KSampler.SAMPLERS and "
+              "SCHEDULERS, the flow schedule ModelSamplingAuraFlow installs (ModelSamplingDiscreteFlow with "
+              "CONST, set_parameters(shift, multiplier)), latent_preview.prepare_callback",
+              "sampler.py: sample, shifted_sigmas",
+              lambda: _params(comfy.sample.sample, "model", "noise", "steps", "cfg", "sampler_name", "scheduler",
+                              "positive", "negative", "latent_image", "denoise", "sigmas", "callback",
+                              "disable_pbar", "seed")
+              or _params(comfy.sample.prepare_noise, "latent_image", "seed")
+              or _params(comfy.sample.fix_empty_latent_channels, "model", "latent_image")
+              or _params(comfy.samplers.calculate_sigmas, "model_sampling", "scheduler_name", "steps")
+              or _attributes(comfy.samplers.KSampler, "SAMPLERS", "SCHEDULERS")
+              or _params(comfy.model_sampling.ModelSamplingDiscreteFlow.set_parameters, "shift", "multiplier")
+              or _attributes(comfy.model_sampling, "CONST")
+              or _params(latent_preview.prepare_callback, "model", "steps")),
     ]
 
 

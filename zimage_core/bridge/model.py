@@ -1,0 +1,187 @@
+"""The pack's ComfyUI ``MODEL``: a stock ``Lumina2`` base model whose diffusion model is the
+streamed ``ZImageTransformer``, wrapped in ``ZImagePatcher``: a ``ModelPatcher`` that reports the
+bytes the transformer really holds, unloads partially by evicting resident layers (the last to
+become resident first; nothing is copied back: a layer comes back from its master or the file)
+and loads by promoting them. ComfyUI's own ``free_memory`` / ``load_models_gpu`` therefore make
+room for the text encoder and the VAE the cheap way, and stock samplers, ``VAEDecode`` and LoRA
+loaders see an ordinary MODEL.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+import comfy.conds
+import comfy.float
+import comfy.ldm.modules.attention
+import comfy.lora
+import comfy.model_base
+import comfy.model_management as mm
+import comfy.model_patcher
+import comfy.supported_models
+
+from .. import planner
+from ..checkpoint import Checkpoint
+from ..transformer import COMPUTE_DTYPES, STORAGE_DTYPES, Settings, ZImageTransformer
+from .memory import plan_host_budget
+
+log = logging.getLogger("zimage")
+_DTYPE_NAMES = {v: k for k, v in COMPUTE_DTYPES.items()}
+PREFIX = "diffusion_model."
+
+
+def comfy_attention(q, k, v, heads):
+    """ComfyUI's attention kernel, so the pack computes what its native Z-Image computes."""
+    return comfy.ldm.modules.attention.optimized_attention(q, k, v, heads, skip_reshape=True)
+
+
+class ZImageModel(comfy.model_base.Lumina2):
+    """ComfyUI's Lumina2 base model over the streamed transformer. Its memory estimate (what the
+    samplers ask before loading) is the transformer's activation estimate: ComfyUI's factor-based
+    one is several times larger and would make it evict layers for nothing."""
+
+    def memory_required(self, input_shape, cond_shapes={}):
+        t = self.diffusion_model
+        b, h, w = input_shape[0], input_shape[-2] * 8, input_shape[-1] * 8
+        return planner.activation_bytes(t.cfg, w, h, b, dtype=t.dtype, storage=t.storage_dtype)
+
+    def extra_conds(self, **kwargs):
+        """ComfyUI's conds, with the prompt's embeddings put on the device once per sampling run.
+        ComfyUI would copy them from host memory at every step: a copy from pageable memory that
+        makes the host wait for the step before and queues behind the layer uploads on the bus."""
+        out = super().extra_conds(**kwargs)
+        c, device = out.get("c_crossattn"), kwargs.get("device")
+        if c is not None and device is not None:
+            out["c_crossattn"] = comfy.conds.CONDRegular(c.cond.to(device))
+        return out
+
+
+class ZImagePatcher(comfy.model_patcher.ModelPatcher):
+    """ModelPatcher over a streamed Z-Image transformer. Clones (made by stock nodes such as
+    ModelSamplingAuraFlow or LoRA loaders) share the transformer through ``self.model``."""
+
+    @property
+    def zimage(self) -> ZImageTransformer:
+        return self.model.diffusion_model
+
+    def model_size(self):
+        return self.zimage.total_bytes
+
+    def loaded_size(self):
+        return self.zimage.device_bytes()
+
+    def load(self, device_to=None, lowvram_model_memory=0, force_patch_weights=False, full_load=False, **kwargs):
+        """Fixed part to the GPU, this patcher's weight patches in place, then as many layers as a
+        plan for the last image's size allows (ComfyUI has already freed what it could for us; the
+        plan reads the real free memory). ComfyUI does not tell a loading model the coming size:
+        the first forward plans for it, and plans again if it differs from the last."""
+        t = self.zimage
+        t.to_device()
+        self._apply_patches()
+        if t.plan is not None:
+            t.prepare(t.plan.width, t.plan.height, t.plan.batch)
+        self._sync()
+
+    def partially_load(self, device_to, extra_memory=0, force_patch_weights=False):
+        """Every sampling run re-plans (promoting layers when memory came back) and brings this
+        clone's object and weight patches in."""
+        before = self.loaded_size()
+        self.unpatch_model(self.offload_device, unpatch_weights=False)
+        self.patch_model(device_to, lowvram_model_memory=0, load_weights=True)
+        return max(0, self.loaded_size() - before)
+
+    def _apply_patches(self):
+        """Weight patches (LoRA and the like) are computed once per patch set, from the file's
+        weights, exactly as ComfyUI's ModelPatcher computes them (compute dtype of the device,
+        stochastic rounding seeded by the key), and written into the host masters, so streamed
+        layers carry them too. Keys patched by a previous set and not by this one are restored."""
+        t = self.zimage
+        if t.patches_uuid == self.patches_uuid:
+            return
+        wanted = {k for k in self.patches if k.startswith(PREFIX)}
+        for key in sorted(wanted | t.patched_keys):
+            base = t.base_weight(key[len(PREFIX):])
+            if key in wanted:
+                temp = base.to(device=t.device, dtype=mm.lora_compute_dtype(t.device), copy=True)
+                out = comfy.lora.calculate_weight(self.patches[key], temp, key)
+                base = comfy.float.stochastic_rounding(out, base.dtype, seed=comfy.model_patcher.string_to_seed(key))
+            t.set_weight(key[len(PREFIX):], base)
+        t.patched_keys, t.patches_uuid = wanted, self.patches_uuid
+        if wanted:
+            log.info("Z-Image: %d weights patched", len(wanted))
+
+    def model_mmap_residency(self, free=False):
+        """(ComfyUI v0.20) The host copies are pinned buffers, not file mappings to bounce."""
+        return 0, 0
+
+    def pinned_memory_size(self):
+        return self.zimage.streamer.pool.used
+
+    def partially_unload(self, device_to, memory_to_free=0, force_patch_weights=False):
+        freed = self.zimage.evict(memory_to_free)
+        self._sync()
+        log.info("Z-Image: made room for another model: %.2f GiB freed (%d layers stay on the GPU)",
+                 freed / planner.GiB, self.zimage.streamer.n_resident)
+        return freed
+
+    def unpatch_model(self, device_to=None, unpatch_weights=True):
+        super().unpatch_model(device_to, unpatch_weights=False)
+        if unpatch_weights and device_to is not None:
+            self.zimage.offload(device_to)
+            self._sync()
+
+    def _sync(self):
+        """Keep the bookkeeping ComfyUI reads off the module in step with the transformer."""
+        t = self.zimage
+        self.model.model_loaded_weight_memory = t.device_bytes()
+        self.model.model_lowvram = t.streamer.n_streamed > 0 or not t.on_device
+        self.model.device = t.device if t.on_device else self.offload_device
+
+
+def unet_config(cfg):
+    """The unet_config ComfyUI's detection gives a Z-Image file (LoRA key maps read it)."""
+    return {"image_model": "lumina2", "patch_size": cfg.patch_size, "in_channels": cfg.in_channels,
+            "dim": cfg.dim, "n_layers": cfg.n_layers, "n_refiner_layers": cfg.n_refiner_layers,
+            "n_heads": cfg.n_heads, "n_kv_heads": cfg.n_heads, "multiple_of": 256,
+            "ffn_dim_multiplier": 8.0 / 3.0, "norm_eps": cfg.norm_eps, "qk_norm": True,
+            "cap_feat_dim": cfg.cap_feat_dim, "axes_dims": list(cfg.axes_dims), "axes_lens": [1536, 512, 512],
+            "rope_theta": cfg.rope_theta, "z_image_modulation": True, "time_scale": cfg.time_scale,
+            "pad_tokens_multiple": cfg.pad_multiple, "disable_unet_model_creation": True}
+
+
+def describe(model, unet_name) -> str:
+    """The loader's one line about a loaded MODEL: its layers, and where they are kept."""
+    t = model.zimage
+    n = t.cfg.n_blocks
+    held = "read from the file as the first image needs them" if t.streamer.cuda else "in host memory (CPU)"
+    return f"Z-Image: {unet_name}: {n} layers ({t.cfg.n_layers} main, {n - t.cfg.n_layers} refiners), {held}"
+
+
+def load_model(path, weight_dtype="default", settings: Settings = Settings()):
+    """A Z-Image MODEL backed by the streaming core; dtypes chosen as ComfyUI's UNETLoader does."""
+    load_device = mm.get_torch_device()
+    offload_device = mm.unet_offload_device()
+    ck = Checkpoint(path)  # header only: config, parameter count and storage dtype
+    cfg, file_dtype = ck.config, ck.storage_dtype
+    ck.close()
+    model_config = comfy.supported_models.ZImage(unet_config(cfg))
+    supported = list(model_config.supported_inference_dtypes)
+    weight = file_dtype if weight_dtype == "default" else STORAGE_DTYPES[weight_dtype]
+    unet_dtype = mm.unet_dtype(model_params=cfg.total_params(), supported_dtypes=supported, weight_dtype=weight)
+    manual_cast = mm.unet_manual_cast(unet_dtype, load_device, supported)
+    compute = manual_cast or unet_dtype
+    if compute not in _DTYPE_NAMES:
+        compute = torch.bfloat16
+    model_config.set_inference_dtype(unet_dtype, manual_cast)
+    storage = weight if weight == torch.float8_e4m3fn else compute
+    storage_name = {v: k for k, v in STORAGE_DTYPES.items()}[storage]
+    plan_host_budget(load_device)
+    # an interrupt is seen between blocks (and, on the CPU, between pieces of one), not only between steps
+    t = ZImageTransformer.load(path, device=load_device, dtype=_DTYPE_NAMES[compute], weight_dtype=storage_name,
+                               settings=settings, initial_device=offload_device,
+                               check_interrupt=mm.throw_exception_if_processing_interrupted)
+    t.model.set_attention(comfy_attention)
+    base = ZImageModel(model_config, device=None)
+    base.diffusion_model = t
+    return ZImagePatcher(base, load_device=load_device, offload_device=offload_device)

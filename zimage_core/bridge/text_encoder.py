@@ -1,0 +1,77 @@
+"""The prompt's encode: ComfyUI's own, with the text encoder's decoder layers streamed."""
+from __future__ import annotations
+
+import logging
+import time
+
+import comfy.model_management as mm
+
+from .. import planner
+from ..host_memory import BUDGET, available_ram
+from ..stack_streaming import StreamedStack
+from .memory import on_an_emptied_gpu_after_oom
+from .pinned import pinned_patcher
+
+log = logging.getLogger("zimage")
+
+
+def _streamed_stack(clip, pool):
+    stack = StreamedStack(clip.cond_stage_model, clip.patcher.load_device, pool)
+    log.info("Z-Image: text encoder streamed: %d layers through %d slots, %.2f GiB on the device",
+             len(stack.layers), stack.n_slots, stack.loaded_bytes / planner.GiB)
+    return stack
+
+
+def streamed_text_encoder(clip):
+    """The CLIP with its text encoder streamed, or None where ComfyUI's own path must run it."""
+    te = pinned_patcher(clip.patcher, clip.cond_stage_model, lambda pool: _streamed_stack(clip, pool),
+                         "text encoder")
+    if te is None:
+        return None
+    n = clip.clone()
+    n.patcher = te
+    return n
+
+
+_warned_disk = [False]
+
+
+def _warn_text_encoder_from_disk(stack):
+    """Once: where the RAM the host budget leaves (beside the transformer's pinned layers and
+    ComfyUI's headroom) cannot keep the text encoder's file cached, every new prompt reads it from
+    the disk again; say so, and what would help."""
+    te_bytes = len(stack.layers) * stack.layout.nbytes
+    room = BUDGET.room("text encoder")
+    if _warned_disk[0] or room >= te_bytes or available_ram() is None:
+        return
+    _warned_disk[0] = True
+    log.warning("Z-Image: the text encoder's %.1f GiB do not fit in the %.1f GiB of RAM left beside the "
+                "transformer's pinned layers and the %.1f GiB ComfyUI keeps free: it is read from the disk "
+                "for every new prompt (seconds, not tenths). What would help: the fp8 transformer "
+                "checkpoint (half the pinned RAM), more RAM, or closing other programs.",
+                te_bytes / planner.GiB, room / planner.GiB, BUDGET.headroom / planner.GiB)
+
+
+def encode(clip, text):
+    """CONDITIONING for ``text``: ComfyUI's own encode, with the text encoder's decoder layers
+    streamed when that is possible. Its weights, kernels and dtypes are the model's own, so the
+    conditioning is the one ComfyUI computes with the text encoder loaded whole."""
+    tokens = clip.tokenize(text)
+    streamed = streamed_text_encoder(clip)
+    if streamed is None:
+        return clip.encode_from_tokens_scheduled(tokens)
+    return on_an_emptied_gpu_after_oom(lambda: _encode_streamed(streamed, tokens), streamed.patcher.load_device,
+                                        "encoding the prompt")
+
+
+def _encode_streamed(streamed, tokens):
+    start = time.perf_counter()
+    part = streamed.patcher.part
+    mm.load_models_gpu([streamed.patcher])  # room first, through the model manager
+    with part.running():
+        out = streamed.encode_from_tokens_scheduled(tokens)
+    part.pool.report("text encoder")
+    _warn_text_encoder_from_disk(part)
+    log.debug("Z-Image: prompt encoded in %.2f s (%d of %d layers resident)", time.perf_counter() - start,
+              part.streamer.n_resident, len(part.layers))
+    return out
