@@ -48,8 +48,8 @@ res["streams_with_patches"] = zc.streamed_text_encoder(patched) is not None
 res["patched_equal"] = torch.equal(zc.encode(patched, prompts[0])[0][0],
                                    patched.encode_from_tokens_scheduled(patched.tokenize(prompts[0]))[0][0])
 res["patch_changed"] = not torch.equal(zc.encode(patched, prompts[0])[0][0], zc.encode(clip, prompts[0])[0][0])
-# RAM too short to keep the text encoder's file cached beside what the pack holds: said once
-res["warned_before_short"] = any("read from the disk" in m for m in messages)
+# RAM too short to keep the text encoder's file cached beside what the pack holds (here a cap of
+# 0.5 GiB; on a machine short of RAM already, it was said before): said once
 os.environ["ZIMAGE_PINNED_GIB"] = "0.5"
 zc.encode(clip, prompts[1])
 zc.encode(clip, prompts[0])
