@@ -13,7 +13,7 @@ class ZImageTextEncode(io.ComfyNode):
             category="Z-Image",
             description="Encodes a prompt with Qwen3-4B (CLIPLoader, type lumina2) in Z-Image's chat template, "
                         "on the GPU. Where the whole encoder does not fit beside the transformer, its layers "
-                        "stream from pinned memory and it needs 0.56 GiB there, so the transformer stays loaded.",
+                        "stream from host memory and it needs 0.56 GiB there, so the transformer stays loaded.",
             inputs=[
                 io.Clip.Input("clip", tooltip="The text encoder: a CLIPLoader with qwen_3_4b.safetensors and "
                                               "type lumina2."),

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from zimage_core.model import another_forward_follows
+from zimage_core.dit import another_forward_follows
 from tools.schedule import shifted, sigmas
 
 

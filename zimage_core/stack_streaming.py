@@ -2,16 +2,16 @@
 through a ring of device slots while the model's own forward drives the loop.
 
 Host memory holds each weight once: the model's own tensors are the source of every upload,
-read through a ring of small pinned staging buffers (a text encoder runs once per prompt, so its layers get
-no pinned masters of their own: where ComfyUI keeps them in a file mapping, pinned copies would
-double them in RAM, for about 0.1 s a prompt).
-For a run, ``running()`` points the tensors outside the
-stack at device copies (``DeviceCopies``), and forward hooks point each layer's parameters at
+read through a ring of small pinned staging buffers. A text encoder runs once per prompt, so its
+layers get no pinned masters of their own: where ComfyUI keeps them in a file mapping, pinned
+copies would double them in RAM to save 0.1-0.2 s a prompt.
+
+For a run, ``running()`` points the tensors outside the stack at device copies (``DeviceCopies``), and forward hooks point each layer's parameters at
 the slot its upload went to just before the layer runs, and back afterwards. Embedding tables
 stay where the model keeps them (host memory): a lookup is a gather, done on the host, and only
 the rows the prompt uses cross the bus (for Qwen3-4B, 0.78 GB that are neither uploaded nor made
-room for). Only the copies and the slots live on the device: for Qwen3-4B about 0.6 GB instead
-of 8 (or the whole stack, where the GPU has room for it). The kernels are the model's own, on the
+room for). Only the copies and the slots live on the device: for Qwen3-4B 0.56 GiB instead of
+7.5 (or the whole stack, where the GPU has room for it). The kernels are the model's own, on the
 same values, so the output is the output of the model loaded whole.
 """
 from __future__ import annotations

@@ -38,7 +38,7 @@ from .config import ZImageConfig
 from .errors import NonFiniteWeights
 from . import host_memory
 from .host_memory import HostPool
-from .model import BigWeights
+from .dit import BigWeights
 from .safetensors_file import read_many
 
 ALIGN = 256  # bytes; every matrix starts on the same alignment in every buffer

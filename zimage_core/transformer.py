@@ -22,7 +22,7 @@ from .config import BIG_KEYS, ZImageConfig
 from .errors import CheckpointError, NonFiniteWeights, OutOfDeviceMemory, ZImageError
 from . import host_memory
 from .host_memory import HostPool, available_ram
-from .model import Chunks, ZImageDiT
+from .dit import Chunks, ZImageDiT
 from .streamer import LayerStreamer, PackLayout, all_finite, staging_bytes
 
 log = logging.getLogger("zimage")
