@@ -96,6 +96,16 @@ def test_plan_fits(capsys):
     assert out.startswith("Z-Image: ") and "layers on the GPU" in out
 
 
+@pytest.mark.parametrize("ram, where", [("28", "it stays in the page cache"),
+                                        ("14", "it is read from the disk at each new prompt")])
+def test_plan_says_where_the_text_encoder_is_read_from(ram, where, capsys):
+    """On a 32 GB machine the text encoder's file stays cached beside an 8 GB card's pinned layers;
+    on a 16 GB one (bf16) it does not, and every new prompt reads it from the disk."""
+    code, out, err = run_main(["plan", "--vram-gib", "7.5", "--ram-gib", ram], capsys)
+    line = next(line for line in out.splitlines() if line.strip().startswith("text encoder"))
+    assert code == 0 and where in line, line
+
+
 @pytest.mark.parametrize("extra", [[], ["--json"]])
 def test_plan_does_not_fit_exits_non_zero(extra, capsys):
     for gib in ("0", "0.5"):

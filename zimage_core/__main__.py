@@ -112,8 +112,10 @@ def _plan(a):
                   f"needs {g(host.working)}, staging and fixed part {g(host.fixed)}")
             print(f"  streamed layers      {p.pinned_layers} pinned, {p.file_layers} read from the page cache")
             left = max(0, host.layers - p.pinned_host_bytes)
-            print(f"  text encoder         {g(left)} left for its pinned layers (all of them: "
-                  f"{g(planner.TEXT_ENCODER_LAYERS_BYTES)}; the rest are read from its file at each prompt)")
+            te = planner.TEXT_ENCODER_LAYERS_BYTES
+            where = "it stays in the page cache" if left >= te else "it is read from the disk at each new prompt"
+            print(f"  text encoder         {g(te)} uploaded from its file at each prompt; {g(left)} of RAM "
+                  f"left: {where}")
         print(f"  smallest card        {g(p.needed_bytes)} free at {p.width}x{p.height} (every layer streamed)")
     if not p.fits:
         sys.exit(DOES_NOT_FIT)

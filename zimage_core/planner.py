@@ -29,7 +29,7 @@ HOST_RESERVE = GiB   # what a forward on the CPU leaves to the rest of the machi
 
 
 # Qwen3-4B's 36 decoder layers in bf16 (per layer: q 4096x2560, k and v 1024x2560, o 2560x4096,
-# gate and up 9728x2560, down 2560x9728, two norms): what the text encoder streams or pins
+# gate and up 9728x2560, down 2560x9728, two norms): what the text encoder streams at each prompt
 TEXT_ENCODER_LAYERS_BYTES = 36 * 2 * (2560 * (4096 + 1024 + 1024) + 4096 * 2560 + 3 * 2560 * 9728 + 2 * 2560 + 2 * 128)
 
 
@@ -39,7 +39,7 @@ class HostRoom:
     headroom: int    # what ComfyUI's RAM cache keeps free
     working: int     # what a run needs beside the weights
     fixed: int       # the transformer's fixed part and its staging ring
-    layers: int      # what is left for the streamed layers' masters (then the text encoder's)
+    layers: int      # what is left for the streamed layers' masters (the rest keeps files cached)
 
     def as_dict(self):
         return asdict(self)
