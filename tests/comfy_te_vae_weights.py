@@ -1,4 +1,4 @@
-"""Write a small random Qwen3-4B text encoder and a random Flux AE in the exact key layout that
+"""Write a small random Qwen3-4B text encoder (the first layers and every norm) and a random Flux AE in the exact key layout that
 ComfyUI's own classes have (built on the meta device, so nothing big is allocated).
 
     python comfy_te_vae_weights.py COMFYUI_PATH OUT_DIR [--te-layers 2]
@@ -43,9 +43,9 @@ def main():
             return (torch.ones if key.endswith("weight") else torch.zeros)(shape, dtype=dtype)
         return torch.randn(shape, generator=gen, dtype=torch.float32).mul_(0.02).to(dtype)
 
-    def dump(model, path, dtype):
+    def dump(model, path, dtype, keep=lambda key, shape: True):
         t0 = time.time()
-        sd = {k: value(k, tuple(v.shape), dtype) for k, v in model.state_dict().items()}
+        sd = {k: value(k, tuple(v.shape), dtype) for k, v in model.state_dict().items() if keep(k, tuple(v.shape))}
         tmp = f"{path}.{os.getpid()}.partial"
         save_file(sd, tmp)
         os.replace(tmp, path)
@@ -53,10 +53,17 @@ def main():
         print(f"{os.path.basename(path)}: {len(sd)} tensors, {n / 1e6:.0f} M params, {time.time() - t0:.1f} s",
               flush=True)
 
+    def first_layers_and_every_norm(key, shape):
+        """The first --te-layers layers whole, and the norms of all 36: ComfyUI leaves a key the file
+        lacks uninitialised, and a norm weight from reused memory is often NaN, which makes the
+        output NaN at random. The big matrices it lacks are fresh pages from the OS: zeros."""
+        parts = key.split(".")
+        layer = int(parts[parts.index("layers") + 1]) if "layers" in parts else -1
+        return layer < a.te_layers or len(shape) == 1
+
     with torch.device("meta"):
-        te = Qwen3_4B({"num_hidden_layers": a.te_layers}, dtype=torch.bfloat16, device="meta",
-                      operations=comfy.ops.disable_weight_init)
-    dump(te, os.path.join(a.out, "qwen_3_4b.safetensors"), torch.bfloat16)
+        te = Qwen3_4B({}, dtype=torch.bfloat16, device="meta", operations=comfy.ops.disable_weight_init)
+    dump(te, os.path.join(a.out, "qwen_3_4b.safetensors"), torch.bfloat16, keep=first_layers_and_every_norm)
     del te
 
     # Flux AE (16 latent channels), the key layout of ae.safetensors.
