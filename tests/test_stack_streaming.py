@@ -149,9 +149,11 @@ def test_device_copies_equal_the_model_and_leave_it_as_it_was(device):
         with copies.running():
             assert all(v.device == ids.device for v in enc.state_dict().values())
             assert torch.equal(enc(ids), whole)
-        # between runs: the model's values, each tensor its master (the only host copy)
+        # between runs: the model's values, each tensor its master (the only host copy), packed in
+        # one buffer per dtype
         assert same_values(enc, own) and all(v.device.type == "cpu" for v in enc.state_dict().values())
         assert all(pool.holds(v) for v in enc.state_dict().values())
+        assert len(pool._buffers) == len({v.dtype for v in enc.state_dict().values()})
     own_addresses = addresses(enc)
     assert copies.device_bytes() == copies.loaded_bytes
     assert copies.unload() == copies.loaded_bytes and copies.device_bytes() == 0

@@ -23,6 +23,28 @@ def copy_source(t):
     return torch.zeros((), dtype=t.dtype).expand(t.shape) if t.is_meta else t.detach()
 
 
+def host_masters(tensors: list, pool: HostPool) -> list:
+    """Host masters of ``tensors``, in order: views into one packed buffer per dtype taken from
+    ``pool`` (pinned on CUDA: one registration instead of one per tensor) where it has room, else
+    the tensors themselves (on the CPU, where the pool's cap is 0, the model's own tensors are the
+    masters: nothing is held twice)."""
+    masters = [None] * len(tensors)
+    by_dtype = {}
+    for j, t in enumerate(tensors):
+        by_dtype.setdefault(t.dtype, []).append(j)
+    for dtype, items in by_dtype.items():
+        flat = pool.allocate(sum(tensors[j].numel() for j in items), dtype)
+        o = 0
+        for j in items:
+            t = copy_source(tensors[j])
+            if flat is None:
+                masters[j] = t
+                continue
+            masters[j] = flat[o:o + t.numel()].view(t.shape).copy_(t)
+            o += t.numel()
+    return masters
+
+
 def module_tensors(root: torch.nn.Module, skip: set = frozenset()) -> list:
     """[(module, "_parameters" or "_buffers", name)] for every tensor under ``root`` outside the
     modules whose ids are in ``skip``."""
@@ -42,19 +64,11 @@ class DeviceCopies:
 
     def load(self):
         if self._host is None:
-            self._host = [self._master(getattr(m, kind)[name]) for m, kind, name in self.entries]
+            self._host = host_masters([getattr(m, kind)[name] for m, kind, name in self.entries], self.pool)
             for (m, kind, name), t in zip(self.entries, self._host):
                 getattr(m, kind)[name] = torch.nn.Parameter(t, requires_grad=False) if kind == "_parameters" else t
         if self._device is None:
             self._device = [t.to(self.device, non_blocking=True) for t in self._host]
-
-    def _master(self, t):
-        """A pinned copy of ``t``, or ``t`` itself past the budget (on the CPU, where the pool's cap
-        is 0, the model's own tensors are the masters and the "copies" are those same tensors)."""
-        buf = self.pool.allocate(t.numel(), t.dtype)
-        if buf is None:
-            return copy_source(t)
-        return buf.view(t.shape).copy_(copy_source(t))
 
     def unload(self) -> int:
         """Drop the device copies; returns the bytes freed."""

@@ -251,8 +251,10 @@ class HostPool:
         self.used -= nbytes
         self._reported = (self._reported[0] - 1, self._reported[1] - nbytes)
 
-    def holds(self, buf) -> bool:
-        return buf.data_ptr() in self._held
+    def holds(self, t) -> bool:
+        """``t`` (a buffer of this pool, or a view into one) lies in this pool's memory."""
+        p = t.data_ptr()
+        return any(start <= p < start + nbytes for start, nbytes in self._held.items())
 
     def release_all(self):
         """Unlock every buffer; the memory itself goes when the last reference to it does."""

@@ -22,6 +22,7 @@ from .config import BIG_KEYS, ZImageConfig
 from .errors import CheckpointError, NonFiniteWeights, OutOfDeviceMemory, ZImageError
 from . import host_memory
 from .host_memory import HostPool, available_ram
+from .device_copies import host_masters, module_tensors
 from .dit import Chunks, ZImageDiT
 from .streamer import LayerStreamer, PackLayout, all_finite, staging_bytes
 
@@ -49,31 +50,19 @@ class Settings:
 
 
 class _FixedPart:
-    """The never-streamed tensors (embedders, norms, adaLN, final layer) in one host master per dtype,
-    pinned when the pool allows, of which the module's parameters and buffers are views until
-    ``place(device)`` gives them device copies (``place(None)``: back to the masters, no copy)."""
+    """The never-streamed tensors (embedders, norms, adaLN, final layer) in one host master per dtype
+    (``device_copies.host_masters``, pinned when the pool allows), of which the module's parameters and
+    buffers are views until ``place(device)`` gives them device copies (``place(None)``: back to the
+    masters, no copy). Unlike ``DeviceCopies``, whose copies a run swaps in and out, these stay
+    placed: the transformer's forward needs them at every step."""
 
     def __init__(self, model: ZImageDiT, pool: HostPool):
         self.model = model
-        self.entries = [(m, kind, name) for m in model.modules() for kind in ("_parameters", "_buffers")
-                        for name, v in getattr(m, kind).items() if v is not None]
-        self.masters = {}
-        by_dtype = {}
-        for m, kind, name in self.entries:
-            by_dtype.setdefault(getattr(m, kind)[name].dtype, []).append((m, kind, name))
-        self.nbytes = 0
-        for dtype, items in by_dtype.items():
-            n = sum(getattr(m, kind)[name].numel() for m, kind, name in items)
-            flat = pool.allocate(n, dtype)
-            flat = torch.empty(n, dtype=dtype) if flat is None else flat
-            self.nbytes += n * dtype.itemsize
-            o = 0
-            for m, kind, name in items:
-                t = getattr(m, kind)[name]
-                view = flat[o:o + t.numel()].view(t.shape)
-                view.copy_(t)
-                self.masters[(id(m), name)] = view
-                o += t.numel()
+        self.entries = module_tensors(model)
+        tensors = [getattr(m, kind)[name] for m, kind, name in self.entries]
+        self.nbytes = sum(t.nbytes for t in tensors)
+        self.masters = {(id(m), name): master
+                        for (m, kind, name), master in zip(self.entries, host_masters(tensors, pool))}
         self.place(None)
 
     def place(self, device):
