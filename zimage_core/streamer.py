@@ -36,8 +36,7 @@ from torch.utils.hooks import RemovableHandle
 
 from .config import ZImageConfig
 from .errors import NonFiniteWeights
-from . import host_memory
-from .host_memory import HostPool
+from .host_memory import HostPool, advise_mapped
 from .dit import BigWeights
 from .safetensors_file import read_many
 
@@ -49,9 +48,14 @@ STAGING_CHUNK = 64 << 20  # bytes
 STAGING_BUFFERS = 4
 
 
+def staging_chunk(layout) -> int:
+    """Elements of one staging buffer: a chunk, or the whole layer where it is smaller."""
+    return min(layout.numel, STAGING_CHUNK // layout.dtype.itemsize)
+
+
 def staging_bytes(layout) -> int:
     """Host bytes of a streamer's staging ring."""
-    return STAGING_BUFFERS * min(layout.nbytes, STAGING_CHUNK)
+    return STAGING_BUFFERS * staging_chunk(layout) * layout.dtype.itemsize
 
 
 def residency_order(n: int) -> list:
@@ -120,7 +124,7 @@ class PackLayout:
         for parts in pieces.values():
             for _, t in parts:
                 if isinstance(t, torch.Tensor):
-                    host_memory.advise_mapped(t)
+                    advise_mapped(t)
                 else:
                     t.advise()
 
@@ -175,7 +179,7 @@ class LayerStreamer:
         # position ``_queued`` (exclusive)
         self._base = self._queued = 0
         self._staging = []                     # [host buffer, event of its last upload or None]
-        self.chunk = min(layout.numel, STAGING_CHUNK // layout.dtype.itemsize)  # elements per staging buffer
+        self.chunk = staging_chunk(layout)     # elements per staging buffer
         self._stage_next = 0
         self.check_finite = check_finite
         self._unchecked = set(range(self.n_layers)) if check_finite else set()
