@@ -144,7 +144,7 @@ def test_unsupported_dtype(tmp_path, reference):
 
 
 def test_interrupt_while_packing_masters_leaves_nothing(tmp_path, tiny_file, monkeypatch):
-    """Masters are packed during the first forward; an interrupt there leaves no half-filled master
+    """Masters are packed during the first forward (on the upload thread); an interrupt there leaves no half-filled master
     and nothing counted, the next forward is right, and releasing gives everything back."""
     from conftest import inputs
     from zimage_core import streamer
@@ -169,8 +169,10 @@ def test_interrupt_while_packing_masters_leaves_nothing(tmp_path, tiny_file, mon
     with pytest.raises(KeyboardInterrupt):
         t(x, ts, ctx)
     monkeypatch.setattr(streamer.PackLayout, "fill", real)
-    assert t.streamer.master_layers == 3
-    assert host_memory.live_bytes() - before == t.fixed_bytes + 3 * t.streamer.layout.nbytes
+    # the interrupted layer (the fourth) has no master; uploads queued behind it may have made theirs
+    packed = t.streamer.master_layers
+    assert t.streamer.host[3] is None and packed >= 3
+    assert host_memory.live_bytes() - before == t.fixed_bytes + packed * t.streamer.layout.nbytes
     assert torch.equal(t(x, ts, ctx), ref)
     t.release()
     assert host_memory.live_bytes() == before

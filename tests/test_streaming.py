@@ -277,6 +277,7 @@ def test_uploads_run_ahead_into_the_next_forward_only_when_asked():
     for forward, ahead in enumerate([True, True, True, False]):
         s.prefetch_first()
         assert s.run_layers([], lambda i, x, w: x + [int(w["w"][0, 0])], next_forward=ahead) == list(range(n))
+        s.synchronize()  # the uploads queued ahead are done (on the upload thread)
         held = sorted(int(t[0]) for t in s.slots)
         assert held == ([0, 2, 4] if ahead else [4, 5, 6]), forward
     assert len(uploads) == 4 * (n - r)

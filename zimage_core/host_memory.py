@@ -26,7 +26,7 @@ import torch
 from .errors import SettingError
 
 GiB = 1 << 30
-_lock = threading.Lock()
+_lock = threading.RLock()  # the counters; pools allocate from the upload threads and the main one
 _live = 0
 _pins = 0
 MEMINFO = "/proc/meminfo"
@@ -183,13 +183,13 @@ def _release(held: dict, pin: bool, owner: str):
     before the buffers' memory is freed, so no freed page stays registered with CUDA."""
     global _live
     total = sum(held.values())
-    for ptr, nbytes in held.items():
-        if pin:
-            torch.cuda.cudart().cudaHostUnregister(ptr)
-        with _lock:
+    with _lock:
+        for ptr, nbytes in held.items():
+            if pin:
+                torch.cuda.cudart().cudaHostUnregister(ptr)
             _live -= nbytes
-    held.clear()
-    BUDGET._count(owner, -total)
+        held.clear()
+        BUDGET._count(owner, -total)
     if total:
         log.info("Z-Image: released %.2f GiB of %s host memory", total / GiB, "pinned" if pin else "reserved")
 
@@ -217,21 +217,21 @@ class HostPool:
         """A flat host buffer, or None when it would pass the budget or the OS refuses to pin it."""
         global _live, _pins
         nbytes = numel * dtype.itemsize
-        if nbytes > self.room():
-            return None
-        try:
-            buf = torch.empty(numel, dtype=dtype)
-        except RuntimeError:  # no host memory left
-            return None
-        if self.pin:
-            if not _host_register(buf):  # the OS has no more lockable memory
+        with _lock:  # what room() saw is still there when the buffer is counted
+            if nbytes > self.room():
                 return None
-            _pins += 1
-        self._held[buf.data_ptr()] = nbytes
-        self._buffers.append(buf)
-        self.used += nbytes
-        BUDGET._count(self.owner, nbytes)
-        with _lock:
+            try:
+                buf = torch.empty(numel, dtype=dtype)
+            except RuntimeError:  # no host memory left
+                return None
+            if self.pin:
+                if not _host_register(buf):  # the OS has no more lockable memory
+                    return None
+                _pins += 1
+            self._held[buf.data_ptr()] = nbytes
+            self._buffers.append(buf)
+            self.used += nbytes
+            BUDGET._count(self.owner, nbytes)
             _live += nbytes
         return buf
 

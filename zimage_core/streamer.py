@@ -8,7 +8,11 @@ streamed layer gets one host master at its first upload: a packed buffer taken f
 the first forward pins as it goes. A layer without a master (resident layers, and streamed
 layers past the budget) is read from its source a chunk at a time into a ring of small pinned
 staging buffers, each read overlapping the uploads from the others, with the kernel asked to read
-the next layer's bytes ahead; no weight is held in host memory twice. The first ``n_resident`` layers of
+the next layer's bytes ahead; no weight is held in host memory twice. Every upload (into a slot, or
+of a layer promoted to resident) runs on one worker thread, in the order it was queued: packing,
+pinning and reading a layer take milliseconds of CPU time per layer, which on the thread that
+queues the kernels would leave the GPU idle. A layer is used only once its upload is queued on the
+device (waited for where the layer begins). The first ``n_resident`` layers of
 ``residency_order`` have a packed device buffer; the others are uploaded, one copy per layer,
 into a ring of device slots on a dedicated copy stream, ordered with events: a slot is refilled
 only after the layer that used it has finished, and a layer runs only after its upload. While a
@@ -28,6 +32,7 @@ short pause that two slots cover, so the memory of extra slots goes to resident 
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import functools
 import math
 
@@ -185,6 +190,10 @@ class LayerStreamer:
         self._unchecked = set(range(self.n_layers)) if check_finite else set()
         self._checks = []                      # (layer, {name: 0-d bool on the device}) of this forward
         self._upload_hooks = collections.OrderedDict()  # what ``register_upload_hook`` added (a handle needs a weakref)
+        self._worker = None                    # the upload thread, started at the first upload
+        self._jobs = []                        # uploads queued and not known to be done
+        self._slot_job = {}                    # slot -> the upload into it that the next layer there waits for
+        self._promoting = {}                   # layer -> (its upload, event after it), until the layer runs
 
     # -- host side -------------------------------------------------------------------------
 
@@ -231,12 +240,37 @@ class LayerStreamer:
         else:
             self._stage(i, dst)
 
+    def _submit(self, job) -> concurrent.futures.Future:
+        """Run ``job()`` on the upload thread after every upload queued before it; on a GPU inside
+        the copy stream, so its copies and events are ordered there."""
+        if self._worker is None:
+            self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="zimage-upload")
+        self._jobs = [f for f in self._jobs if not f.done()]
+        future = self._worker.submit(self._on_copy_stream, job)
+        self._jobs.append(future)
+        return future
+
+    def _on_copy_stream(self, job):
+        if not self.cuda:
+            return job()
+        with torch.cuda.device(self.device), torch.cuda.stream(self.copy_stream):
+            return job()
+
+    def _wait_jobs(self, quiet=False):
+        """Until every queued upload is done; the first failure is raised unless ``quiet`` (uploads
+        that are dropped anyway: the next forward queues its own)."""
+        jobs, self._jobs = self._jobs, []
+        errors = [e for e in (f.exception() for f in jobs) if e is not None]
+        if errors and not quiet:
+            raise errors[0]
+
     def staging_due(self) -> int:
         """Host bytes the staging ring takes when it is made (0 once it is)."""
         return 0 if self._staging else staging_bytes(self.layout)
 
     def staging_buffer(self) -> torch.Tensor:
         """A staging buffer (made if there is none yet)."""
+        self.synchronize()  # the ring is the upload thread's
         self._make_staging()
         return self._staging[0][0]
 
@@ -300,6 +334,7 @@ class LayerStreamer:
         self.synchronize()
         for i in [i for i in self.resident if i not in keep]:
             del self.resident[i]
+            self._promoting.pop(i, None)
         del self.slots[n_slots:]
         del self._ready[n_slots:], self._free[n_slots:]
         self.streamed = [i for i in range(self.n_layers) if i not in keep]
@@ -311,21 +346,35 @@ class LayerStreamer:
                 self._ready.append(torch.cuda.Event())
                 self._free.append(torch.cuda.Event())
         promote = sorted(keep - self.resident.keys())
-        for j, i in enumerate(promote):
+        for i in promote:
             if not self.cuda and self.host[i] is not None:
                 self.resident[i] = self.host[i]  # on the CPU the host master is the layer: no second copy
                 continue
-            if j + 1 < len(promote):
-                self._read_ahead(promote[j + 1])
+            self._read_ahead(i)
             buf = self._empty()
-            self._upload(i, buf, master=False)  # a resident layer needs no host copy
             self.resident[i] = buf
-        self.synchronize()
+            self._promoting[i] = self._promote(i, buf)
+
+    def _promote(self, i, buf):
+        """Queue layer i's upload into its resident buffer (no host copy: it stays in its source);
+        the forward that first runs it waits for it, so the uploads overlap the layers before."""
+        ready = torch.cuda.Event() if self.cuda else None
+
+        def job():
+            self._upload(i, buf, master=False)
+            if ready is not None:
+                ready.record(self.copy_stream)
+        return self._submit(job), ready
 
     def release(self):
         """Drop every device buffer, host master and staging buffer (pinned memory goes back to
         the OS)."""
+        self._wait_jobs(quiet=True)
+        self._promoting.clear()
         self.synchronize()
+        if self._worker is not None:
+            self._worker.shutdown()
+            self._worker = None
         self.resident.clear()
         self.slots.clear()
         self._ready.clear(), self._free.clear()
@@ -335,6 +384,8 @@ class LayerStreamer:
         self.pool.release_all()
 
     def synchronize(self):
+        """Until every queued upload has reached the device (and the device is idle)."""
+        self._wait_jobs()
         if self.cuda:
             self.copy_stream.synchronize()
             torch.cuda.current_stream(self.device).synchronize()
@@ -343,7 +394,10 @@ class LayerStreamer:
 
     def drop_queued(self):
         """Forget uploads queued ahead for the next forward (its split or its weights changed):
-        it queues its own. Slots are refilled in queue order, so nothing needs to wait here."""
+        it queues its own. What is still running is waited for: a slot is written by one upload at
+        a time."""
+        self._wait_jobs(quiet=True)
+        self._slot_job.clear()
         self._base = self._queued = 0
 
     def register_upload_hook(self, hook) -> RemovableHandle:
@@ -358,12 +412,14 @@ class LayerStreamer:
         upload = functools.partial(self._upload, i, self.slots[k])
         for hook in self._upload_hooks.values():
             upload = functools.partial(hook, i, upload)
-        if not self.cuda:
-            return upload()
-        with torch.cuda.stream(self.copy_stream):
-            self.copy_stream.wait_event(self._free[k])
+
+        def job():
+            if self.cuda:
+                self.copy_stream.wait_event(self._free[k])  # the slot's last layer has finished
             upload()
-            self._ready[k].record(self.copy_stream)
+            if self.cuda:
+                self._ready[k].record(self.copy_stream)
+        self._slot_job[k] = self._submit(job)
 
     def _queue(self, pos):
         """Queue the upload of streamed position ``pos`` (this forward's or, past its end, the
@@ -418,16 +474,24 @@ class LayerStreamer:
     def begin(self, i):
         """Layer i's weights, ready for the kernels queued next on the current stream."""
         if i in self.resident:
+            if i in self._promoting:
+                job, ready = self._promoting.pop(i)
+                self._await(job, ready)
             views = self.layout.views(self.resident[i])
         else:
             s = (self._base + self._index[i]) % len(self.slots)
-            if self.cuda:
-                torch.cuda.current_stream(self.device).wait_event(self._ready[s])
+            self._await(self._slot_job.pop(s), self._ready[s] if self.cuda else None)
             views = self.layout.views(self.slots[s])
         if i in self._unchecked:
             named = views._asdict() if isinstance(views, tuple) else views
             self._checks.append((i, {name: all_finite(v) for name, v in named.items()}))
         return views
+
+    def _await(self, job, ready):
+        """The current stream's next kernels run after the upload ``job`` (its failure is raised here)."""
+        job.result()
+        if ready is not None:
+            torch.cuda.current_stream(self.device).wait_event(ready)
 
     def end(self, i, next_forward=False):
         """Layer i's kernels are queued: its slot is refilled with the streamed layer k places on
