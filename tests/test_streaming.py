@@ -312,3 +312,18 @@ def test_set_weight_reaches_a_layer_uploaded_ahead(tiny_file):
     m.set_weight(key, m.base_weight(key) * 1.5)
     assert torch.equal(m(x, t, ctx), patched)
     m.release()
+
+
+def test_a_forward_in_ranges_that_look_ahead_differently_still_gets_every_layer():
+    """A range run without ``next_forward`` leaves its slots' next uploads unqueued; the next forward
+    queues them where it needs them, so every layer still runs on its own weights."""
+    layout = PackLayout({"w": (4, 8)}, torch.float32)
+    n = 6
+    sources = [{"w": [(0, torch.full((4, 8), float(i)))]} for i in range(n)]
+    s = LayerStreamer(layout, sources, "cpu", HostPool())
+    s.configure(3, 3)  # as many slots as streamed layers: each slot's next upload is the next forward's
+    for _ in range(3):
+        s.prefetch_first()
+        got = s.run_layers([], lambda i, x, w: x + [int(w["w"][0, 0])], range(0, 2))
+        got = s.run_layers(got, lambda i, x, w: x + [int(w["w"][0, 0])], range(2, n), next_forward=True)
+        assert got == list(range(n))

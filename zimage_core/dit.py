@@ -264,8 +264,11 @@ class ZImageDiT(nn.Module):
                 return y
             return run
 
-        cap = self.runner.run_layers(cap, stage(self.context_refiner, 0, cap_freqs, None), range(0, r))
-        img = self.runner.run_layers(img, stage(self.noise_refiner, r, img_freqs, t), range(r, 2 * r))
+        # every range looks ahead alike: a refiner's slot may be the next forward's first
+        cap = self.runner.run_layers(cap, stage(self.context_refiner, 0, cap_freqs, None), range(0, r),
+                                     next_forward=follows)
+        img = self.runner.run_layers(img, stage(self.noise_refiner, r, img_freqs, t), range(r, 2 * r),
+                                     next_forward=follows)
         xs = torch.cat((cap, img), dim=1)
         freqs = torch.cat((cap_freqs, img_freqs), dim=1)
         xs = self.runner.run_layers(xs, stage(self.layers, 2 * r, freqs, t), range(2 * r, cfg.n_blocks),

@@ -439,8 +439,9 @@ class LayerStreamer:
     def run_layers(self, x, layer_fn, blocks=None, next_forward=False):
         """x -> layer_fn(i, x, BigWeights) for the layers in ``blocks`` (a range; default all), in
         order: a forward runs every layer once, in one call or in consecutive ranges. With
-        ``next_forward`` (another forward follows with nothing to send to the device first) the
-        slots freed by the last layers are refilled with the next forward's first layers."""
+        ``next_forward`` (another forward follows with nothing to send to the device first; give it
+        alike to every range of a forward) the slots freed by the last layers are refilled with the
+        next forward's first layers."""
         blocks = range(self.n_layers) if blocks is None else blocks
         try:
             for i in blocks:
@@ -480,6 +481,8 @@ class LayerStreamer:
             views = self.layout.views(self.resident[i])
         else:
             s = (self._base + self._index[i]) % len(self.slots)
+            if s not in self._slot_job:  # not queued ahead (an earlier range of this forward did not look ahead)
+                self._prefetch(i, s)
             self._await(self._slot_job.pop(s), self._ready[s] if self.cuda else None)
             views = self.layout.views(self.slots[s])
         if i in self._unchecked:
