@@ -85,6 +85,6 @@ def test_a_staging_ring_of_small_chunks_is_bit_identical_on_cuda(tiny_file, monk
     m.prepare(128, 96, resident_layers=TINY.n_blocks)
     ref = euler_sample(m, x.cuda(), ctx.cuda(), steps=3)
     m.prepare(128, 96, resident_layers=0)
-    assert len(m.streamer._staging) == 4 and all(b.is_pinned() for b, _ in m.streamer._staging)
+    assert len(m.streamer._staging) == streamer.STAGING_BUFFERS and all(b.is_pinned() for b, _ in m.streamer._staging)
     assert torch.equal(euler_sample(m, x.cuda(), ctx.cuda(), steps=3), ref)
     m.release()
