@@ -327,3 +327,17 @@ def test_a_forward_in_ranges_that_look_ahead_differently_still_gets_every_layer(
         got = s.run_layers([], lambda i, x, w: x + [int(w["w"][0, 0])], range(0, 2))
         got = s.run_layers(got, lambda i, x, w: x + [int(w["w"][0, 0])], range(2, n), next_forward=True)
         assert got == list(range(n))
+
+
+def test_uploads_under_inference_mode_as_comfyui_runs_nodes(tiny_file):
+    """ComfyUI runs nodes under ``torch.inference_mode``, which is per thread: the upload thread
+    writes into slots, resident buffers and masters made under it, and the output is the same."""
+    x, t, ctx = inputs(TINY)
+    m = ZImageTransformer.load(tiny_file, device="cpu", dtype="bf16", settings=Settings(pinned_cap=0))
+    m.prepare(64, 48, resident_layers=TINY.n_blocks)
+    ref = m(x, t, ctx)
+    with torch.inference_mode():
+        for resident in (TINY.n_blocks - 1, 2, 0, TINY.n_blocks):  # promotions and uploads from the file
+            m.prepare(64, 48, resident_layers=resident)
+            assert torch.equal(m(x, t, ctx), ref), resident
+    m.release()

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import contextlib
 import functools
 import math
 
@@ -248,14 +249,16 @@ class LayerStreamer:
         if self._worker is None:
             self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="zimage-upload")
         self._jobs = [f for f in self._jobs if not f.done()]
-        future = self._worker.submit(self._on_copy_stream, job)
+        # inference mode is per thread: the job writes into tensors made under the caller's
+        future = self._worker.submit(self._on_copy_stream, job, torch.is_inference_mode_enabled())
         self._jobs.append(future)
         return future
 
-    def _on_copy_stream(self, job):
-        if not self.cuda:
-            return job()
-        with torch.cuda.device(self.device), torch.cuda.stream(self.copy_stream):
+    def _on_copy_stream(self, job, inference):
+        with torch.inference_mode(inference), contextlib.ExitStack() as on:
+            if self.cuda:
+                on.enter_context(torch.cuda.device(self.device))
+                on.enter_context(torch.cuda.stream(self.copy_stream))
             return job()
 
     def _wait_jobs(self, quiet=False):
