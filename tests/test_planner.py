@@ -89,6 +89,22 @@ def test_streamed_layers_are_pinned_as_far_as_the_host_room_allows():
     assert len({(plan(FULL, int(7.5 * GiB), 1024, 1024, host_room=r).resident_layers) for r in (None, 0)}) == 1
 
 
+def test_only_the_streamed_layers_whose_masters_buy_time_are_pinned():
+    """Pinned memory is RAM nothing else can use: a layer gets a master only where reading it from the
+    page cache (``file_copy`` times a pinned upload) would make the step slower."""
+    def at(ratio, file_copy, room=None):
+        return plan(FULL, int(7.5 * GiB), 1024, 1024, compute_copy_ratio=ratio, file_copy=file_copy, host_room=room)
+    bus_bound, compute_bound = at(0.55, 2.0), at(3.0, 3.0)  # an H200 at 1024x1024; a desktop card's compute
+    assert bus_bound.pinned_layers == bus_bound.streamed_layers > 0 and bus_bound.ram_short == 0
+    assert compute_bound.pinned_layers == 0 and compute_bound.file_layers == compute_bound.streamed_layers
+    assert at(0.55, 1.0).pinned_layers == 0  # the page cache as fast as pinned memory: nothing to pin
+    assert compute_bound.resident_layers == at(3.0, None).resident_layers  # the device side is the same
+    # the RAM short of what the step needs: warned about; short of what it does not need: not
+    layer = bus_bound.layer_bytes
+    assert at(0.55, 2.0, 5 * layer).ram_short == bus_bound.streamed_layers - 5
+    assert at(3.0, 3.0, 5 * layer).ram_short == 0
+
+
 @pytest.mark.parametrize("ram, headroom", [(14, 2.0), (28, 2.8), (120, 10.0)])
 def test_host_room_keeps_comfyuis_headroom_and_the_working_memory(ram, headroom):
     h = host_room(FULL, ram * GiB)

@@ -341,3 +341,21 @@ def test_uploads_under_inference_mode_as_comfyui_runs_nodes(tiny_file):
             m.prepare(64, 48, resident_layers=resident)
             assert torch.equal(m(x, t, ctx), ref), resident
     m.release()
+
+
+def test_masters_only_for_as_many_streamed_layers_as_the_plan_pins(tiny_file):
+    """``configure(..., n_masters)``: the first streamed layers to run get masters up to that count,
+    the others keep coming from the file; masters made before stay; the output is the same."""
+    x, t, ctx = inputs(TINY)
+    m = ZImageTransformer.load(tiny_file, device="cpu", dtype="fp32")
+    m.prepare(64, 48, resident_layers=TINY.n_blocks)
+    ref = m(x, t, ctx)
+    s = m.streamer
+    s.configure(0, 2, 2)
+    assert torch.equal(m(x, t, ctx), ref)
+    assert [i for i, h in enumerate(s.host) if h is not None] == s.streamed[:2]
+    s.configure(0, 2, 0)
+    assert torch.equal(m(x, t, ctx), ref) and s.master_layers == 2
+    s.configure(0, 2, TINY.n_blocks)
+    assert torch.equal(m(x, t, ctx), ref) and s.master_layers == TINY.n_blocks
+    m.release()

@@ -75,6 +75,7 @@ class Plan:
     largest_fitting: tuple | None = None  # (width, height) of the same shape that fits, when this does not
     pinned_layers: int = 0         # streamed layers with a pinned master
     file_layers: int = 0           # streamed layers read from the file (page cache) at every upload
+    ram_short: int = 0             # of those, layers a master would make faster, for which the RAM has no room
 
     def as_dict(self):
         return asdict(self)
@@ -103,7 +104,7 @@ class Plan:
         self.streamed_layers = n - self.resident_layers
         self.slots = 0 if not self.streamed_layers else max(self.slots, 2)
         self.pinned_layers = _pinned_layers(self.streamed_layers, host_room, self.layer_bytes)
-        self.file_layers = self.streamed_layers - self.pinned_layers
+        self.file_layers = self.ram_short = self.streamed_layers - self.pinned_layers
         self.pinned_host_bytes = self.pinned_layers * self.layer_bytes
 
     def sources(self) -> str:
@@ -221,7 +222,8 @@ def stack_resident(n_layers: int, layer_bytes: int, free_bytes: int, cap: int | 
 def simulate_step(n_layers, resident, slots, compute, copy, fixed=0.0, steps=8) -> float:
     """Mean time of one of ``steps`` consecutive steps with ``resident`` layers resident (spread
     as the streamer spreads them). ``compute`` is one layer's compute time, or a list of each
-    layer's. Each step computes ``fixed`` (embedders, final layer, sampler: no streamed weights),
+    layer's; ``copy`` one streamed layer's upload time, or a list of each streamed layer's in the
+    order they run. Each step computes ``fixed`` (embedders, final layer, sampler: no streamed weights),
     then the layers in order, a streamed one only once its upload is done. Uploads run in order on
     one copy stream, each into the slot its previous user has finished with; the first step's
     start with it, and every step queues the next one's first uploads behind its last layers."""
@@ -230,12 +232,13 @@ def simulate_step(n_layers, resident, slots, compute, copy, fixed=0.0, steps=8) 
     streamed = n_layers - len(keep)
     if not streamed:
         return fixed + sum(costs)
+    copies = copy if isinstance(copy, (list, tuple)) else [copy] * streamed
     k = max(min(slots, streamed), 1)
     free, ready, copy_end = [0.0] * k, {}, 0.0
 
     def upload(pos):
         nonlocal copy_end
-        copy_end = max(copy_end, free[pos % k]) + copy
+        copy_end = max(copy_end, free[pos % k]) + copies[pos % streamed]
         ready[pos] = copy_end
 
     for pos in range(k):
@@ -265,11 +268,27 @@ def block_costs(cfg: ZImageConfig, width, height, batch=1, cap_tokens=512) -> li
     return [cap / (img + cap)] * r + [img / (img + cap)] * r + [1.0] * cfg.n_layers
 
 
+def pinned_needed(n_layers, resident, slots, costs, fixed, file_copy: float) -> int:
+    """The fewest streamed layers that need pinned masters for a step to take no longer (within 1%)
+    than with every one pinned, the others read from the page cache at ``file_copy`` times a
+    pinned upload. Masters are made at first upload, so the pinned ones are the first to run."""
+    streamed = n_layers - resident
+    best = simulate_step(n_layers, resident, slots, costs, 1.0, fixed)
+    for pinned in range(streamed):
+        copy = [1.0] * pinned + [file_copy] * (streamed - pinned)
+        if simulate_step(n_layers, resident, slots, costs, copy, fixed) <= best * 1.01:
+            return pinned
+    return streamed
+
+
 def plan(cfg: ZImageConfig, free_bytes: int, width: int, height: int, batch: int = 1,
          storage=torch.bfloat16, dtype=torch.bfloat16, compute_copy_ratio: float | None = None,
-         host_room: int | None = None) -> Plan:
+         host_room: int | None = None, file_copy: float | None = None) -> Plan:
     """The split for ``free_bytes`` of device memory; ``host_room``: host bytes the streamed layers'
-    masters may take (None: as many as they need)."""
+    masters may take (None: as many as they need). With ``file_copy`` (a layer's upload from the
+    page cache through the staging ring, over one from a pinned master) only the streamed layers
+    whose masters buy time are pinned: pinned memory is RAM that nothing else can use, while the
+    page cache gives way when the machine needs it."""
     layer = PackLayout(cfg, storage).nbytes
     fixed = cfg.fixed_params() * dtype.itemsize
     act = activation_bytes(cfg, width, height, batch, dtype=dtype, storage=storage)
@@ -289,15 +308,18 @@ def plan(cfg: ZImageConfig, free_bytes: int, width: int, height: int, batch: int
         k = min(k, n - r)
     fits = room >= layer or (room >= 0 and n == 0)
     streamed = n - r
+    needed = streamed
+    if fits and streamed and compute_copy_ratio is not None and file_copy is not None:
+        needed = pinned_needed(n, r, k, costs, before, file_copy)
 
     def need(w, h):  # the least a size needs: everything streamed through one slot
         return fixed + activation_bytes(cfg, w, h, batch, dtype=dtype, storage=storage) + RESERVE + (layer if n else 0)
 
     if not fits:
-        streamed = n
-    pinned = _pinned_layers(streamed, host_room, layer)
+        streamed = needed = n
+    pinned = min(needed, _pinned_layers(streamed, host_room, layer))
     return Plan(width, height, batch, free_bytes, r if fits else 0, streamed, k if fits else 0,
                 layer, fixed, act, fixed + act + (r + k) * layer if fits else 0, pinned * layer, fits,
                 needed_bytes=need(width, height),
                 largest_fitting=None if fits else _largest_fitting(width, height, lambda w, h: need(w, h) <= free_bytes),
-                pinned_layers=pinned, file_layers=streamed - pinned)
+                pinned_layers=pinned, file_layers=streamed - pinned, ram_short=needed - pinned)

@@ -100,7 +100,7 @@ class ZImageTransformer(torch.nn.Module):
         self._warned = None                   # (file layers, streamed layers) last warned about
         self.patches_uuid = None              # id of the weight-patch set (LoRA) now in the weights
         self.patched_keys: set = set()        # canonical keys that set changed (prefixed as patched)
-        self._ratio = {}                      # tokens -> measured compute/copy time ratio
+        self._ratio = {}                      # tokens -> (compute/copy time ratio, page-cache/pinned upload time)
         self._fixed_checked = False           # the fixed part's values were checked where they run
         self.check_interrupt = check_interrupt or (lambda: None)
         model.runner = streamer
@@ -222,8 +222,9 @@ class ZImageTransformer(torch.nn.Module):
         tokens = self.cfg.image_tokens(width, height) * batch
         if tokens not in self._ratio and self.device.type == "cuda":
             self._ratio[tokens] = self._measure_ratio(tokens)
+        ratio, file_copy = self._ratio.get(tokens, (None, None))
         p = planner.plan(self.cfg, free, width, height, batch, storage=self.storage_dtype, dtype=self.dtype,
-                         compute_copy_ratio=self._ratio.get(tokens), host_room=self.host_room())
+                         compute_copy_ratio=ratio, host_room=self.host_room(), file_copy=file_copy)
         cap = self.settings.max_resident
         if cap is not None and p.fits and p.resident_layers > cap:
             p.force(cap, self.host_room())
@@ -246,22 +247,22 @@ class ZImageTransformer(torch.nn.Module):
             raise OutOfDeviceMemory(p.summary())
         self.plan = p
         start, before = time.perf_counter(), self.streamer.n_resident
-        self._set_split(p.resident_layers, p.slots)
+        self._set_split(p.resident_layers, p.slots, p.pinned_layers)
         log.debug("Z-Image: split set in %.2f s (%d -> %d resident)", time.perf_counter() - start, before,
                   self.streamer.n_resident)
         if self.streamer.cuda:
-            # the streamed layers' masters, the staging buffers and the fixed part: what the host
-            # budget keeps for this model however the text encoder's pools come first
-            host_memory.BUDGET.claim("transformer", self.fixed_bytes + p.streamed_layers * p.layer_bytes
+            # the pinned masters, the staging buffers and the fixed part: what the host budget keeps
+            # for this model however the text encoder's pools come first
+            host_memory.BUDGET.claim("transformer", self.fixed_bytes + p.pinned_layers * p.layer_bytes
                                      + staging_bytes(self.streamer.layout))
         self._announce()
         self._warn_host(p)
         return p
 
     def _warn_host(self, p):
-        """Once per plan that reads layers from the file: what would help."""
+        """Once per plan that reads layers from the file for want of RAM: what would help."""
         key = (p.file_layers, p.streamed_layers)
-        if not p.file_layers or key == self._warned:
+        if not p.ram_short or key == self._warned:
             return
         self._warned = key
         fp8 = "" if self.storage_dtype == torch.float8_e4m3fn else "the fp8 checkpoint (half the bytes), "
@@ -271,10 +272,10 @@ class ZImageTransformer(torch.nn.Module):
                     p.pinned_layers, p.streamed_layers, p.file_layers, fp8,
                     host_memory.BUDGET.headroom / planner.GiB)
 
-    def _set_split(self, resident, slots):
+    def _set_split(self, resident, slots, masters):
         while True:
             try:
-                self.streamer.configure(resident, slots)
+                self.streamer.configure(resident, slots, masters)
                 break
             except torch.OutOfMemoryError:  # the estimate was optimistic: one layer fewer
                 less = planner.one_layer_less(resident, slots)
@@ -403,9 +404,12 @@ class ZImageTransformer(torch.nn.Module):
         if owner in self.streamer.resident:
             layout.region(self.streamer.resident[owner], name).copy_(value)
 
-    def _measure_ratio(self, tokens) -> float:
+    def _measure_ratio(self, tokens) -> tuple:
         """Compute time of one layer over upload time of one layer: a matmul and an upload timed on
-        this device, the rest is the planner's model."""
+        this device, the rest is the planner's model. And a layer's upload from the file through
+        the staging ring over one from a pinned master: a chunk read into the staging buffer (from
+        the page cache, or the disk where it is not cached: then more layers are pinned), each
+        chunk's read overlapping the previous chunk's upload (None once every layer has a master)."""
         cfg = self.cfg
         dev = self.device
         x = torch.randn(tokens + 512, cfg.dim, device=dev, dtype=self.dtype)
@@ -425,7 +429,18 @@ class ZImageTransformer(torch.nn.Module):
             ev[3].record()
             torch.cuda.synchronize(dev)
         rate = 5 * 2 * x.shape[0] * cfg.dim * cfg.ffn_dim / (ev[0].elapsed_time(ev[1]) / 1e3)
-        return planner.compute_copy_ratio(cfg, x.shape[0], rate, chunks * ev[2].elapsed_time(ev[3]) / 1e3)
+        upload_s = ev[2].elapsed_time(ev[3]) / 1e3
+        ratio = planner.compute_copy_ratio(cfg, x.shape[0], rate, chunks * upload_s)
+        s = self.streamer
+        unpinned = [i for i in reversed(s.order) if s.host[i] is None]  # the last to become resident first
+        if not unpinned:
+            return ratio, None
+        reads = []
+        for _ in range(2):  # the second: the first may fault the pages in
+            start = time.perf_counter()
+            s.layout.fill(host, s.sources[unpinned[0]])
+            reads.append(time.perf_counter() - start)
+        return ratio, max(1.0, reads[-1] / upload_s)
 
     # -- running -----------------------------------------------------------------------------
 
