@@ -343,19 +343,21 @@ def test_uploads_under_inference_mode_as_comfyui_runs_nodes(tiny_file):
     m.release()
 
 
-def test_masters_only_for_as_many_streamed_layers_as_the_plan_pins(tiny_file):
-    """``configure(..., n_masters)``: the first streamed layers to run get masters up to that count,
-    the others keep coming from the file; masters made before stay; the output is the same."""
+def test_streamed_layers_the_plan_leaves_in_the_file_get_no_master(tiny_file):
+    """``configure(..., from_file)``: that many streamed layers keep coming from the file, the first to
+    run get masters; masters made before stay; a layer streamed beyond the plan (evicted) may get one;
+    the output is the same."""
     x, t, ctx = inputs(TINY)
     m = ZImageTransformer.load(tiny_file, device="cpu", dtype="fp32")
     m.prepare(64, 48, resident_layers=TINY.n_blocks)
     ref = m(x, t, ctx)
     s = m.streamer
-    s.configure(0, 2, 2)
+    s.configure(0, 2, TINY.n_blocks - 2)
     assert torch.equal(m(x, t, ctx), ref)
     assert [i for i, h in enumerate(s.host) if h is not None] == s.streamed[:2]
-    s.configure(0, 2, 0)
-    assert torch.equal(m(x, t, ctx), ref) and s.master_layers == 2
     s.configure(0, 2, TINY.n_blocks)
+    assert torch.equal(m(x, t, ctx), ref) and s.master_layers == 2
+    s.configure(2, 2, 0)
+    s.configure(0, 2)  # evicted beyond the plan: the planned none-from-file still holds
     assert torch.equal(m(x, t, ctx), ref) and s.master_layers == TINY.n_blocks
     m.release()

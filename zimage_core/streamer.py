@@ -174,7 +174,7 @@ class LayerStreamer:
         self.n_layers = len(sources)
         self.sources = sources
         self.masters = masters
-        self.master_limit = self.n_layers       # layers given a master at most (``configure``)
+        self.from_file = 0                     # streamed layers left without a master (``configure``)
         self.order = residency_order(self.n_layers)
         self.host = [None] * self.n_layers      # packed host masters (pinned where possible)
         self.resident = {}                     # layer -> packed device buffer
@@ -235,7 +235,7 @@ class LayerStreamer:
         """Layer i into ``dst``: from its host master, or without one from its source. With
         ``master`` (a streamed layer) the layer first gets a master if it keeps them and the pool
         has room."""
-        if self.host[i] is None and master and self.masters and self.master_layers < self.master_limit:
+        if self.host[i] is None and master and self.masters and self.master_layers < self.n_streamed - self.from_file:
             self._make_master(i)
         if self.host[i] is not None:
             dst.copy_(self.host[i], non_blocking=self.cuda)
@@ -329,14 +329,14 @@ class LayerStreamer:
     def _empty(self):
         return torch.empty(self.layout.numel, dtype=self.layout.dtype, device=self.device)
 
-    def configure(self, n_resident: int, n_slots: int, n_masters: int | None = None):
+    def configure(self, n_resident: int, n_slots: int, from_file: int | None = None):
         """Make the first ``n_resident`` layers of ``residency_order`` resident with ``n_slots``
         slots for the rest (0 slots: only the resident layers stay on the device, as when the
         model is offloaded). Frees before it allocates, so a shrinking split never needs extra
-        memory. ``n_masters``: the most streamed layers given a master (the planner's pinned
-        layers; masters made before stay), None: as before."""
-        if n_masters is not None:
-            self.master_limit = n_masters
+        memory. ``from_file``: streamed layers left without a master (the planner's page-cache
+        layers; masters made before stay, and a layer evicted later may get one), None: as before."""
+        if from_file is not None:
+            self.from_file = from_file
         n_resident = max(0, min(n_resident, self.n_layers))
         n_slots = 0 if n_resident == self.n_layers or n_slots == 0 else min(n_slots, self.n_layers - n_resident)
         keep = set(self.order[:n_resident])

@@ -247,7 +247,7 @@ class ZImageTransformer(torch.nn.Module):
             raise OutOfDeviceMemory(p.summary())
         self.plan = p
         start, before = time.perf_counter(), self.streamer.n_resident
-        self._set_split(p.resident_layers, p.slots, p.pinned_layers)
+        self._set_split(p.resident_layers, p.slots, p.file_layers - p.ram_short)
         log.debug("Z-Image: split set in %.2f s (%d -> %d resident)", time.perf_counter() - start, before,
                   self.streamer.n_resident)
         if self.streamer.cuda:
@@ -272,10 +272,10 @@ class ZImageTransformer(torch.nn.Module):
                     p.pinned_layers, p.streamed_layers, p.file_layers, fp8,
                     host_memory.BUDGET.headroom / planner.GiB)
 
-    def _set_split(self, resident, slots, masters):
+    def _set_split(self, resident, slots, from_file):
         while True:
             try:
-                self.streamer.configure(resident, slots, masters)
+                self.streamer.configure(resident, slots, from_file)
                 break
             except torch.OutOfMemoryError:  # the estimate was optimistic: one layer fewer
                 less = planner.one_layer_less(resident, slots)
