@@ -1,4 +1,5 @@
-"""Another model's tensors run from pinned host masters: device copies that a run swaps in.
+"""A model's tensors run from pinned host masters: device copies that a run swaps in, or that stay
+placed (the transformer's fixed part, which every step needs).
 
 The model is left as it is between runs (its tensors stay wherever its owner keeps them).
 ``load()`` makes the masters once (pinned while the host budget has room; the model's tensors
@@ -56,8 +57,10 @@ class DeviceCopies:
     def __init__(self, entries: list, device, pool: HostPool):
         self.entries, self.device, self.pool = entries, device_of(device), pool
         self.loaded_bytes = sum(getattr(m, kind)[name].nbytes for m, kind, name in entries)
+        self._index = {(id(m), name): j for j, (m, kind, name) in enumerate(entries)}
         self._host = None    # the masters (pinned where the pool allows), made once
         self._device = None  # the device copies, while loaded
+        self.placed = False  # the model's tensors are the device copies until ``unload``
 
     def device_bytes(self) -> int:
         return self.loaded_bytes if self._device is not None else 0
@@ -65,14 +68,23 @@ class DeviceCopies:
     def load(self):
         if self._host is None:
             self._host = host_masters([getattr(m, kind)[name] for m, kind, name in self.entries], self.pool)
-            for (m, kind, name), t in zip(self.entries, self._host):
-                getattr(m, kind)[name] = torch.nn.Parameter(t, requires_grad=False) if kind == "_parameters" else t
+            self._point(self._host)
         if self._device is None:
             self._device = [t.to(self.device, non_blocking=True) for t in self._host]
 
+    def place(self):
+        """Load, and leave the model's tensors on the device copies (a model whose every forward
+        needs them: the transformer's fixed part) until ``unload``."""
+        self.load()
+        self._point(self._device)
+        self.placed = True
+
     def unload(self) -> int:
-        """Drop the device copies; returns the bytes freed."""
+        """Drop the device copies (the model's tensors are the masters again); returns the bytes freed."""
         held = self.device_bytes()
+        if self.placed:
+            self._point(self._host)
+            self.placed = False
         self._device = None
         return held
 
@@ -81,14 +93,26 @@ class DeviceCopies:
         self.unload()
         self._host = None
 
+    def views(self, module, name) -> list:
+        """Where ``module``'s tensor ``name`` lives: its master (or, before the first load, the model's
+        own tensor) and its device copy while loaded."""
+        j = self._index[(id(module), name)]
+        m, kind, _ = self.entries[j]
+        if self._host is None:
+            return [getattr(m, kind)[name].data]
+        return [self._host[j]] + ([] if self._device is None else [self._device[j]])
+
+    def _point(self, tensors):
+        for (m, kind, name), t in zip(self.entries, tensors):
+            getattr(m, kind)[name] = torch.nn.Parameter(t, requires_grad=False) if kind == "_parameters" else t
+
     @contextlib.contextmanager
     def running(self):
         """Within: the model's tensors are the device copies."""
         self.load()
         saved = [getattr(m, kind)[name] for m, kind, name in self.entries]
         try:
-            for (m, kind, name), t in zip(self.entries, self._device):
-                getattr(m, kind)[name] = torch.nn.Parameter(t, requires_grad=False) if kind == "_parameters" else t
+            self._point(self._device)
             yield
         finally:
             for (m, kind, name), t in zip(self.entries, saved):

@@ -22,7 +22,7 @@ from .config import BIG_KEYS, ZImageConfig
 from .errors import CheckpointError, NonFiniteWeights, OutOfDeviceMemory, ZImageError
 from . import host_memory
 from .host_memory import HostPool, available_ram
-from .device_copies import host_masters, module_tensors
+from .device_copies import DeviceCopies, module_tensors
 from .dit import Chunks, ZImageDiT
 from .streamer import LayerStreamer, PackLayout, all_finite, staging_bytes
 
@@ -49,42 +49,8 @@ class Settings:
     device_budget: int | None = None  # plan and run as if the device had this many bytes (tests, simulations)
 
 
-class _FixedPart:
-    """The never-streamed tensors (embedders, norms, adaLN, final layer) in one host master per dtype
-    (``device_copies.host_masters``, pinned when the pool allows), of which the module's parameters and
-    buffers are views until ``place(device)`` gives them device copies (``place(None)``: back to the
-    masters, no copy). Unlike ``DeviceCopies``, whose copies a run swaps in and out, these stay
-    placed: the transformer's forward needs them at every step."""
-
-    def __init__(self, model: ZImageDiT, pool: HostPool):
-        self.model = model
-        self.entries = module_tensors(model)
-        tensors = [getattr(m, kind)[name] for m, kind, name in self.entries]
-        self.nbytes = sum(t.nbytes for t in tensors)
-        self.masters = {(id(m), name): master
-                        for (m, kind, name), master in zip(self.entries, host_masters(tensors, pool))}
-        self.place(None)
-
-    def place(self, device):
-        for m, kind, name in self.entries:
-            master = self.masters[(id(m), name)]
-            t = master if device is None else master.to(device, non_blocking=True)
-            if kind == "_parameters":
-                m._parameters[name] = torch.nn.Parameter(t, requires_grad=False)
-            else:
-                m._buffers[name] = t
-
-    def views(self, key):
-        """The host master and, when placed elsewhere, the device copy of parameter or buffer ``key``."""
-        module_path, _, name = key.rpartition(".")
-        m = self.model.get_submodule(module_path) if module_path else self.model
-        current = m._parameters.get(name) if name in m._parameters else m._buffers[name]
-        master = self.masters[(id(m), name)]
-        return [master] if current.data_ptr() == master.data_ptr() else [master, current.data]
-
-
 class ZImageTransformer(torch.nn.Module):
-    def __init__(self, model: ZImageDiT, streamer: LayerStreamer, ckpt: Checkpoint, fixed: "_FixedPart",
+    def __init__(self, model: ZImageDiT, streamer: LayerStreamer, ckpt: Checkpoint, fixed: DeviceCopies,
                  settings: Settings, check_interrupt=None):
         """``check_interrupt()`` raises to stop a forward; it runs between blocks (and, on the CPU,
         between pieces of a block)."""
@@ -104,7 +70,7 @@ class ZImageTransformer(torch.nn.Module):
         self._fixed_checked = False           # the fixed part's values were checked where they run
         self.check_interrupt = check_interrupt or (lambda: None)
         model.runner = streamer
-        self.fixed_bytes = fixed.nbytes
+        self.fixed_bytes = fixed.loaded_bytes
         self.ckpt_keys = ckpt.keys()
         self.block_index = {name: i for i, name in enumerate(self.cfg.block_names())}
 
@@ -139,7 +105,9 @@ class ZImageTransformer(torch.nn.Module):
             pool = HostPool("transformer", pin=dev.type == "cuda", cap_bytes=settings.pinned_cap)
             streamer = LayerStreamer(layout, [_layer_pieces(ckpt, f"{name}.") for name in cfg.block_names()],
                                      dev, pool, check_finite=True)
-            fixed = _FixedPart(model, pool)
+            # the never-streamed tensors (embedders, norms, adaLN, final layer): placed on the device
+            # while it computes, from one host master per dtype
+            fixed = DeviceCopies(module_tensors(model), dev, pool)
             t = cls(model, streamer, ckpt, fixed, settings, check_interrupt)
             if home == dev:
                 t.to_device()
@@ -165,7 +133,7 @@ class ZImageTransformer(torch.nn.Module):
 
     @property
     def on_device(self) -> bool:
-        return self.model.x_pad_token.device == self.device
+        return self.fixed.placed
 
     @property
     def total_bytes(self) -> int:
@@ -180,14 +148,14 @@ class ZImageTransformer(torch.nn.Module):
         """Bring the fixed part (embedders, norms, adaLN, final layer) to the compute device: one
         upload from its pinned host master."""
         if not self.on_device:
-            self.fixed.place(self.device)
+            self.fixed.place()
 
     def offload(self, device="cpu"):
         """Free every byte this model holds on the device. Nothing is copied back: the fixed part
         has a host master, and a layer comes back from its master or the file."""
         self.streamer.configure(0, 0)
         if self.on_device and self.device.type != "cpu":
-            self.fixed.place(None)
+            self.fixed.unload()
             torch.cuda.empty_cache()
 
     def free_bytes(self) -> int:
@@ -390,7 +358,8 @@ class ZImageTransformer(torch.nn.Module):
         at their next upload."""
         slot = self._big_slot(key)
         if slot is None:  # a parameter: the fixed part
-            for target in self.fixed.views(key):
+            module_path, _, name = key.rpartition(".")
+            for target in self.fixed.views(self.model.get_submodule(module_path), name):
                 target.copy_(value)
             self._fixed_checked = False
             return
