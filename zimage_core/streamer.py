@@ -7,12 +7,10 @@ streamed layer gets one host master at its first upload: a packed buffer taken f
 ``HostPool`` (pinned on CUDA) when the host budget has room for it, so loading pins nothing and
 the first forward pins as it goes. A layer without a master (resident layers, and streamed
 layers past the budget) is read from its source a chunk at a time into a ring of small pinned
-staging buffers, each read overlapping the uploads from the others, with the kernel asked to read
+staging buffers, each read overlapping the upload from the other, with the kernel asked to read
 the next layer's bytes ahead; no weight is held in host memory twice. Every upload (into a slot, or
-of a layer promoted to resident) runs on one worker thread, in the order it was queued: packing,
-pinning and reading a layer take milliseconds of CPU time per layer, which on the thread that
-queues the kernels would leave the GPU idle. A layer is used only once its upload is queued on the
-device (waited for where the layer begins). The first ``n_resident`` layers of
+of a layer promoted to resident) runs on the streamer's ``UploadThread``, in the order it was
+queued; a layer waits for its own upload where it begins. The first ``n_resident`` layers of
 ``residency_order`` have a packed device buffer; the others are uploaded, one copy per layer,
 into a ring of device slots on a dedicated copy stream, ordered with events: a slot is refilled
 only after the layer that used it has finished, and a layer runs only after its upload. While a
@@ -32,8 +30,6 @@ short pause that two slots cover, so the memory of extra slots goes to resident 
 from __future__ import annotations
 
 import collections
-import concurrent.futures
-import contextlib
 import functools
 import math
 
@@ -45,6 +41,7 @@ from .errors import NonFiniteWeights
 from .host_memory import HostPool, advise_mapped
 from .dit import BigWeights
 from .safetensors_file import read_many
+from .uploads import UploadThread
 
 ALIGN = 256  # bytes; every matrix starts on the same alignment in every buffer
 # Uploads without a host master go through a ring of small pinned buffers, a chunk at a time: the
@@ -194,8 +191,7 @@ class LayerStreamer:
         self._unchecked = set(range(self.n_layers)) if check_finite else set()
         self._checks = []                      # (layer, {name: 0-d bool on the device}) of this forward
         self._upload_hooks = collections.OrderedDict()  # what ``register_upload_hook`` added (a handle needs a weakref)
-        self._worker = None                    # the upload thread, started at the first upload
-        self._jobs = []                        # uploads queued and not known to be done
+        self.uploads = UploadThread(self.device, self.copy_stream)  # every upload runs there, in queue order
         self._slot_job = {}                    # slot -> the upload into it that the next layer there waits for
         self._promoting = {}                   # layer -> (its upload, event after it), until the layer runs
 
@@ -243,32 +239,6 @@ class LayerStreamer:
             self.layout.fill(dst, self.sources[i])
         else:
             self._stage(i, dst)
-
-    def _submit(self, job) -> concurrent.futures.Future:
-        """Run ``job()`` on the upload thread after every upload queued before it; on a GPU inside
-        the copy stream, so its copies and events are ordered there."""
-        if self._worker is None:
-            self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="zimage-upload")
-        self._jobs = [f for f in self._jobs if not f.done()]
-        # inference mode is per thread: the job writes into tensors made under the caller's
-        future = self._worker.submit(self._on_copy_stream, job, torch.is_inference_mode_enabled())
-        self._jobs.append(future)
-        return future
-
-    def _on_copy_stream(self, job, inference):
-        with torch.inference_mode(inference), contextlib.ExitStack() as on:
-            if self.cuda:
-                on.enter_context(torch.cuda.device(self.device))
-                on.enter_context(torch.cuda.stream(self.copy_stream))
-            return job()
-
-    def _wait_jobs(self, quiet=False):
-        """Until every queued upload is done; the first failure is raised unless ``quiet`` (uploads
-        that are dropped anyway: the next forward queues its own)."""
-        jobs, self._jobs = self._jobs, []
-        errors = [e for e in (f.exception() for f in jobs) if e is not None]
-        if errors and not quiet:
-            raise errors[0]
 
     def staging_due(self) -> int:
         """Host bytes the staging ring takes when it is made (0 once it is)."""
@@ -373,17 +343,14 @@ class LayerStreamer:
             self._upload(i, buf, master=False)
             if ready is not None:
                 ready.record(self.copy_stream)
-        return self._submit(job), ready
+        return self.uploads.submit(job), ready
 
     def release(self):
         """Drop every device buffer, host master and staging buffer (pinned memory goes back to
         the OS)."""
-        self._wait_jobs(quiet=True)
+        self.uploads.shutdown()
         self._promoting.clear()
         self.synchronize()
-        if self._worker is not None:
-            self._worker.shutdown()
-            self._worker = None
         self.resident.clear()
         self.slots.clear()
         self._ready.clear(), self._free.clear()
@@ -394,7 +361,7 @@ class LayerStreamer:
 
     def synchronize(self):
         """Until every queued upload has reached the device (and the device is idle)."""
-        self._wait_jobs()
+        self.uploads.wait()
         if self.cuda:
             self.copy_stream.synchronize()
             torch.cuda.current_stream(self.device).synchronize()
@@ -405,7 +372,7 @@ class LayerStreamer:
         """Forget uploads queued ahead for the next forward (its split or its weights changed):
         it queues its own. What is still running is waited for: a slot is written by one upload at
         a time."""
-        self._wait_jobs(quiet=True)
+        self.uploads.wait(quiet=True)
         self._slot_job.clear()
         self._base = self._queued = 0
 
@@ -428,7 +395,7 @@ class LayerStreamer:
             upload()
             if self.cuda:
                 self._ready[k].record(self.copy_stream)
-        self._slot_job[k] = self._submit(job)
+        self._slot_job[k] = self.uploads.submit(job)
 
     def _queue(self, pos):
         """Queue the upload of streamed position ``pos`` (this forward's or, past its end, the
