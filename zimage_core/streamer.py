@@ -338,12 +338,18 @@ class LayerStreamer:
         """Queue layer i's upload into its resident buffer (no host copy: it stays in its source);
         the forward that first runs it waits for it, so the uploads overlap the layers before."""
         ready = torch.cuda.Event() if self.cuda else None
+        return self._submit_upload(functools.partial(self._upload, i, buf, master=False), ready), ready
 
+    def _submit_upload(self, upload, ready, after=None):
+        """Queue ``upload()`` on the upload thread: on a GPU after event ``after`` (the last user of
+        its destination has finished), with event ``ready`` recorded once it is on the copy stream."""
         def job():
-            self._upload(i, buf, master=False)
+            if after is not None:
+                self.copy_stream.wait_event(after)
+            upload()
             if ready is not None:
                 ready.record(self.copy_stream)
-        return self.uploads.submit(job), ready
+        return self.uploads.submit(job)
 
     def release(self):
         """Drop every device buffer, host master and staging buffer (pinned memory goes back to
@@ -388,14 +394,8 @@ class LayerStreamer:
         upload = functools.partial(self._upload, i, self.slots[k])
         for hook in self._upload_hooks.values():
             upload = functools.partial(hook, i, upload)
-
-        def job():
-            if self.cuda:
-                self.copy_stream.wait_event(self._free[k])  # the slot's last layer has finished
-            upload()
-            if self.cuda:
-                self._ready[k].record(self.copy_stream)
-        self._slot_job[k] = self.uploads.submit(job)
+        events = (self._ready[k], self._free[k]) if self.cuda else (None, None)
+        self._slot_job[k] = self._submit_upload(upload, *events)
 
     def _queue(self, pos):
         """Queue the upload of streamed position ``pos`` (this forward's or, past its end, the
