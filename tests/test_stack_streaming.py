@@ -168,3 +168,64 @@ def test_device_copies_equal_the_model_and_leave_it_as_it_was(device):
     copies.release()
     pool.release_all()
     assert live_bytes() == before
+
+
+def mapped_state_dict(module, path):
+    """``module``'s tensors as its loader would hand them over from a read-only memory mapping of a
+    safetensors file (as ComfyUI's does with Dynamic VRAM): views of the mapped file, no copy."""
+    import json
+    import mmap
+    import struct
+    import warnings
+
+    from safetensors.torch import save_file
+    save_file({k: v.contiguous() for k, v in module.state_dict().items()}, str(path))
+    with open(path, "rb") as f:
+        mapped = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+    (n,) = struct.unpack("<Q", mapped[:8])
+    header = json.loads(mapped[8:8 + n])
+    header.pop("__metadata__", None)
+    dtypes = {"F32": torch.float32, "BF16": torch.bfloat16}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the buffer is read-only by design
+        data = torch.frombuffer(mapped, dtype=torch.uint8)[8 + n:]
+    return {k: data[e["data_offsets"][0]:e["data_offsets"][1]].view(dtypes[e["dtype"]]).view(e["shape"])
+            for k, e in header.items()}
+
+
+def test_only_file_mapped_memory_counts_as_mapped(tmp_path):
+    from zimage_core.host_memory import _file_mapped, _page_spans
+    enc = Encoder()
+    sd = mapped_state_dict(enc, tmp_path / "enc.safetensors")
+    spans = _page_spans(sd.values())
+    assert len(spans) == 1  # neighbours in the file share pages: one range
+    assert _file_mapped(spans)
+    assert not _file_mapped(_page_spans([torch.empty(1 << 20)]))  # ordinary memory is never locked in place
+    assert not HostPool(pin=False).pin_in_place(list(sd.values()))  # nothing to lock without CUDA
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_file_mapped_weights_are_locked_in_place_and_stream_identically(tmp_path):
+    enc, ids, whole = encoder_and_output("cuda", seed=3)
+    enc.load_state_dict(mapped_state_dict(enc, tmp_path / "enc.safetensors"), assign=True)
+    where = addresses(enc)
+    before = live_bytes()
+    pool = HostPool()
+    stack = StreamedStack(enc, "cuda", pool, slots=2)
+    stack.max_resident = 0
+    assert stack.streamer.pinned_sources and pool.in_place > 0
+    for _ in range(2):
+        with stack.running():
+            assert torch.equal(enc(ids), whole)
+    assert addresses(enc) == where and not stack.streamer._staging  # uploaded from where they are
+    stack.release()
+    assert live_bytes() == before
+    # unlocked again: the same pages can be locked anew, here as a model's own masters
+    pool = HostPool()
+    copies = DeviceCopies(module_tensors(enc), "cuda", pool)
+    with copies.running():
+        assert torch.equal(enc(ids), whole)
+    assert addresses(enc) == where and pool.in_place == pool.used > 0  # no copies
+    copies.release()
+    pool.release_all()
+    assert live_bytes() == before

@@ -25,10 +25,14 @@ def copy_source(t):
 
 
 def host_masters(tensors: list, pool: HostPool) -> list:
-    """Host masters of ``tensors``, in order: views into one packed buffer per dtype taken from
+    """Host masters of ``tensors``, in order: the tensors themselves, locked in place, where they all
+    map a file; else views into one packed buffer per dtype taken from
     ``pool`` (pinned on CUDA: one registration instead of one per tensor) where it has room, else
     the tensors themselves (on the CPU, where the pool's cap is 0, the model's own tensors are the
     masters: nothing is held twice)."""
+    sources = [copy_source(t) for t in tensors]
+    if pool.pin_in_place(sources):  # a file mapping (ComfyUI's loader): locked where it is, no copy
+        return sources
     masters = [None] * len(tensors)
     by_dtype = {}
     for j, t in enumerate(tensors):
@@ -37,7 +41,7 @@ def host_masters(tensors: list, pool: HostPool) -> list:
         flat = pool.allocate(sum(tensors[j].numel() for j in items), dtype)
         o = 0
         for j in items:
-            t = copy_source(tensors[j])
+            t = sources[j]
             if flat is None:
                 masters[j] = t
                 continue

@@ -6,7 +6,8 @@ first thing to run out. So host RAM is planned like GPU memory: ``BUDGET`` knows
 available RAM must stay untouched (ComfyUI's RAM-cache headroom, below which ComfyUI starts
 dropping cached models), which owner expects to need how much soon (the transformer's streamed
 layers, claimed when it plans a split), and what every ``HostPool`` holds. A pool's allocation
-succeeds only within what is left. ``live_bytes()`` is the process-wide total, which the tests
+succeeds only within what is left. Where a model's loader has memory-mapped its file (ComfyUI's
+does), its weights are locked where they are instead (``pin_in_place``): pinned, and no copy. ``live_bytes()`` is the process-wide total, which the tests
 use to check that failures leave nothing behind, and ``pin_calls()`` counts buffers pinned,
 which the benchmarks use to show that nothing is pinned per image.
 """
@@ -29,6 +30,7 @@ GiB = 1 << 30
 _lock = threading.RLock()  # the counters; pools allocate from the upload threads and the main one
 _live = 0
 _pins = 0
+_in_place = {}  # start -> bytes of every page range locked where a file mapping keeps it
 MEMINFO = "/proc/meminfo"
 # working memory of a run beyond the headroom (latents, the decoded image, ComfyUI's temporaries)
 WORKING_MARGIN = GiB
@@ -154,7 +156,9 @@ class HostBudget:
         """Bytes ``owner`` may still allocate."""
         avail = available_ram()
         others = sum(max(0, c - self.held.get(o, 0)) for o, c in self.claims.items() if o != owner)
-        room = (1 << 62) if avail is None else avail - self.headroom - WORKING_MARGIN - others
+        # MemAvailable still counts page-cache pages that are locked in place (the kernel cannot drop them)
+        locked = sum(_in_place.values())
+        room = (1 << 62) if avail is None else avail - locked - self.headroom - WORKING_MARGIN - others
         cap = environment_cap()
         if cap is not None:
             room = min(room, cap - _live)
@@ -177,6 +181,54 @@ def _host_register(buf) -> bool:
     return torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), buf.numel() * buf.element_size(), 0) == 0
 
 
+# cudaHostRegisterPortable | cudaHostRegisterReadOnly: the device only reads the pages, which is
+# what lets a read-only file mapping be locked at all
+_REGISTER_READ_ONLY = 1 | 8
+
+
+def _discard_cuda_error():
+    """A failed registration leaves its error for the next kernel launch to report: take it now."""
+    try:
+        torch.ones(1, device="cuda").add_(1)
+        torch.cuda.synchronize()
+    except RuntimeError:
+        pass
+
+
+def _page_spans(tensors) -> list:
+    """The page ranges [(start, stop)] that hold ``tensors``' bytes, merged where they touch."""
+    page = mmap.PAGESIZE
+    spans = []
+    for a, b in sorted((t.data_ptr() // page * page, -(-(t.data_ptr() + t.nbytes) // page) * page)
+                       for t in tensors):
+        if spans and a <= spans[-1][1]:
+            spans[-1][1] = max(spans[-1][1], b)
+        else:
+            spans.append([a, b])
+    return [(a, b) for a, b in spans]
+
+
+def _file_mapped(spans) -> bool:
+    """Every span lies in memory that maps a file (Linux: /proc/self/maps; False elsewhere)."""
+    try:
+        with open("/proc/self/maps") as f:
+            maps = []
+            for line in f:
+                fields = line.split(maxsplit=5)
+                if len(fields) == 6 and fields[4] != "0" and fields[5].startswith("/"):
+                    lo, hi = fields[0].split("-")
+                    maps.append([int(lo, 16), int(hi, 16)])
+    except OSError:
+        return False
+    merged = []
+    for lo, hi in sorted(maps):
+        if merged and lo <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], hi)
+        else:
+            merged.append([lo, hi])
+    return all(any(lo <= a and b <= hi for lo, hi in merged) for a, b in spans)
+
+
 def _release(held: dict, pin: bool, owner: str):
     """Unlock the pages of every buffer in ``held`` (data_ptr -> bytes) and uncount them. Runs
     from ``release_all`` or, when a pool is dropped without it, from the pool's finalizer:
@@ -187,6 +239,7 @@ def _release(held: dict, pin: bool, owner: str):
         for ptr, nbytes in held.items():
             if pin:
                 torch.cuda.cudart().cudaHostUnregister(ptr)
+            _in_place.pop(ptr, None)
             _live -= nbytes
         held.clear()
         BUDGET._count(owner, -total)
@@ -207,6 +260,7 @@ class HostPool:
         self._held = {}     # data_ptr -> bytes, what is counted (and registered)
         self._buffers = []  # the tensors, kept alive until released
         self._reported = (0, 0)
+        self.in_place = 0   # bytes of those locked where their owner keeps them (``pin_in_place``)
         weakref.finalize(self, _release, self._held, self.pin, owner)
 
     def room(self) -> int:
@@ -235,12 +289,49 @@ class HostPool:
             _live += nbytes
         return buf
 
+    def pin_in_place(self, tensors) -> bool:
+        """Page-lock ``tensors`` where they are, when every one of them maps a file (a model its
+        loader memory-mapped, as ComfyUI's does) and the budget has room: uploads from them then
+        run at full bus speed and asynchronously, with no copy of them in host memory (they are
+        their own masters). The pool keeps them alive and unlocks them with its buffers. False,
+        with nothing locked, otherwise: ordinary memory is never locked in place, since a heap page
+        it shares with other objects could go back to the OS and be refilled while locked."""
+        global _live, _pins
+        if not (self.pin and tensors) or any(t.device.type != "cpu" or t.is_meta or not t.is_contiguous()
+                                             for t in tensors):
+            return False
+        spans = _page_spans(tensors)
+        nbytes = sum(b - a for a, b in spans)
+        if not _file_mapped(spans):
+            return False
+        with _lock:
+            if nbytes > self.room():
+                return False
+            done = []
+            for a, b in spans:
+                if torch.cuda.cudart().cudaHostRegister(a, b - a, _REGISTER_READ_ONLY) != 0:
+                    _discard_cuda_error()  # a device without read-only registration, or pages locked already
+                    for start in done:
+                        torch.cuda.cudart().cudaHostUnregister(start)
+                    return False
+                done.append(a)
+            _pins += len(spans)
+            for a, b in spans:
+                self._held[a] = _in_place[a] = b - a
+            self._buffers += list(tensors)
+            self.in_place += nbytes
+            self.used += nbytes
+            BUDGET._count(self.owner, nbytes)
+            _live += nbytes
+        return True
+
     def report(self, what: str):
         """Log the buffers pinned since the last report, in one line (the benchmarks count these)."""
         n, nbytes = len(self._buffers) - self._reported[0], self.used - self._reported[1]
         if n > 0 and self.pin:
-            log.info("Z-Image: pinned %.2f GiB of host memory for the %s (%d buffers; %.2f GiB held by the pack)",
-                     nbytes / GiB, what, n, _live / GiB)
+            log.info("Z-Image: pinned %.2f GiB of host memory for the %s (%d buffers%s; %.2f GiB held by the pack)",
+                     nbytes / GiB, what, n,
+                     f", {self.in_place / GiB:.2f} GiB of them in place" if self.in_place else "", _live / GiB)
         self._reported = (len(self._buffers), self.used)
 
     def free(self, buf):
@@ -260,5 +351,5 @@ class HostPool:
         """Unlock every buffer; the memory itself goes when the last reference to it does."""
         _release(self._held, self.pin, self.owner)
         self._buffers.clear()
-        self.used = 0
+        self.used = self.in_place = 0
         self._reported = (0, 0)

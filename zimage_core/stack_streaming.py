@@ -1,10 +1,12 @@
 """Another model's layer stack, run with its weights streamed: a text encoder's decoder layers go
 through a ring of device slots while the model's own forward drives the loop.
 
-Host memory holds each weight once: the model's own tensors are the source of every upload,
-read through a ring of small pinned staging buffers. A text encoder runs once per prompt, so its
-layers get no pinned masters of their own: where ComfyUI keeps them in a file mapping, pinned
-copies would double them in RAM to save 0.1-0.2 s a prompt.
+Host memory holds each weight once: the model's own tensors are the source of every upload. Where
+ComfyUI keeps them in a file mapping and the host budget has room, they are locked in place
+(``HostPool.pin_in_place``) and uploaded straight from there at full bus speed (Qwen3-4B: 0.14 s
+a prompt on an H200 instead of 0.25-0.36); otherwise they are read through a ring of small pinned
+staging buffers. They never get pinned copies: a text encoder runs once per prompt, and copies
+would double it in RAM.
 
 For a run, ``running()`` points the tensors outside the stack at device copies (``DeviceCopies``), and forward hooks point each layer's parameters at
 the slot its upload went to just before the layer runs, and back afterwards. Embedding tables
@@ -68,7 +70,11 @@ class StreamedStack:
             raise UnsupportedStack("its weights are not plain tensors (a quantized format)")
         self.layout = PackLayout({k: tuple(t.shape) for k, t in params[0].items()}, dtypes.pop())
         sources = [{k: [(0, copy_source(t))] for k, t in p.items()} for p in params]
-        self.streamer = LayerStreamer(self.layout, sources, self.device, pool, masters=False)
+        # where the model's loader memory-mapped its file and the host budget has room, the layers
+        # are locked where they are: uploads run at full bus speed, with no staging and no copy
+        in_place = self.device.type == "cuda" and pool.pin_in_place([t for p in sources for [(_, t)] in p.values()])
+        self.streamer = LayerStreamer(self.layout, sources, self.device, pool, masters=False,
+                                      pinned_sources=in_place)
         self.n_slots = min(slots, len(self.layers))
         inside = {id(m) for m in self.layers.modules()}
         # tables the model keeps in host memory (not on the meta device, which the file left empty)

@@ -102,10 +102,12 @@ class PackLayout:
         o = self.offsets[name]
         return flat[o:o + math.prod(shape)].view(shape)
 
-    def fill(self, flat, pieces: dict, start: int = 0):
+    def fill(self, flat, pieces: dict, start: int = 0, pinned: bool = False):
         """Copy pieces {name: [(row, tensor or StoredTensor)]} into ``flat`` (casting to its dtype):
         the packed layer's elements from ``start`` on, as many as ``flat`` holds (by default all of
-        them). A ``StoredTensor`` is read from its file straight into host memory."""
+        them). A ``StoredTensor`` is read from its file straight into host memory. ``pinned``: the
+        tensors are page-locked (locked in place, which ``is_pinned`` does not report), so copies
+        to the device are asynchronous."""
         stop = start + flat.numel()
         stored = []
         for name, parts in pieces.items():
@@ -117,7 +119,7 @@ class PackLayout:
                     continue
                 dst = flat[lo - start:hi - start]
                 if isinstance(t, torch.Tensor):
-                    dst.copy_(t.reshape(-1)[lo - a:hi - a], non_blocking=flat.is_cuda and t.is_pinned())
+                    dst.copy_(t.reshape(-1)[lo - a:hi - a], non_blocking=flat.is_cuda and (pinned or t.is_pinned()))
                 else:
                     stored.append((t, dst, lo - a))
         read_many(stored)
@@ -159,14 +161,17 @@ def device_of(device) -> torch.device:
 
 class LayerStreamer:
     def __init__(self, layout: PackLayout, sources: list, device, pool: HostPool, check_finite=False,
-                 masters=True):
+                 masters=True, pinned_sources=False):
         """``sources[i]`` is layer i's {name: [(row, tensor or StoredTensor)]} pieces. With
         ``check_finite`` every layer's matrices are checked for NaN and infinity the first time they
         run (on the device, read back once at the end of that forward: ``NonFiniteWeights``).
         ``masters``: streamed layers get packed host masters where the budget has room; without,
         every upload reads the source through the staging buffers (a model uploaded once per
-        run, whose owner already holds its weights in host memory)."""
+        run, whose owner already holds its weights in host memory). ``pinned_sources``: the sources
+        are tensors locked in place (``HostPool.pin_in_place``), uploaded straight from where they
+        are, with no master and no staging."""
         self.layout, self.device, self.pool = layout, device_of(device), pool
+        self.pinned_sources = pinned_sources
         self.cuda = self.device.type == "cuda"
         self.n_layers = len(sources)
         self.sources = sources
@@ -235,8 +240,8 @@ class LayerStreamer:
             self._make_master(i)
         if self.host[i] is not None:
             dst.copy_(self.host[i], non_blocking=self.cuda)
-        elif not (self.cuda or master):  # a resident layer on the CPU: its buffer is the host copy
-            self.layout.fill(dst, self.sources[i])
+        elif self.pinned_sources or not (self.cuda or master):  # (on the CPU: a resident layer's buffer is its host copy)
+            self.layout.fill(dst, self.sources[i], pinned=self.pinned_sources)
         else:
             self._stage(i, dst)
 

@@ -23,6 +23,7 @@ import comfy.supported_models
 
 from .. import planner
 from ..checkpoint import Checkpoint
+from ..errors import OutOfDeviceMemory
 from ..transformer import COMPUTE_DTYPES, STORAGE_DTYPES, Settings, ZImageTransformer
 from .memory import plan_host_budget
 
@@ -131,12 +132,33 @@ class ZImagePatcher(comfy.model_patcher.ModelPatcher):
             self.zimage.offload(device_to)
             self._sync()
 
+    def take_back(self):
+        """The memory another model borrowed is back (a decode has finished): the layers it took
+        return now, uploading in the background (while ComfyUI saves the image), so that the next
+        image's first step does not wait for them."""
+        t = self.zimage
+        if not (t.streamer.cuda and t.on_device and t.plan is not None):
+            return
+        try:
+            t.prepare(t.plan.width, t.plan.height, t.plan.batch)
+        except OutOfDeviceMemory:
+            return  # someone else holds the memory now: the next sampling run plans with what is left
+        finally:
+            self._sync()
+
     def _sync(self):
         """Keep the bookkeeping ComfyUI reads off the module in step with the transformer."""
         t = self.zimage
         self.model.model_loaded_weight_memory = t.device_bytes()
         self.model.model_lowvram = t.streamer.n_streamed > 0 or not t.on_device
         self.model.device = t.device if t.on_device else self.offload_device
+
+
+def take_back_memory():
+    """Every Z-Image model ComfyUI holds on the GPU takes back the memory a decode borrowed."""
+    for lm in list(mm.current_loaded_models):
+        if isinstance(lm.model, ZImagePatcher):
+            lm.model.take_back()
 
 
 def unet_config(cfg):

@@ -99,7 +99,7 @@ def reaches() -> list:
               lambda: _source_mentions(mp.ModelPatcher.__init__, "self.patches", "self.patches_uuid",
                                        "self.forced_hooks")),
         Reach("Which patchers ComfyUI holds on the GPU: model_management.current_loaded_models and "
-              "LoadedModel.model", "pinned.py: _loaded_by_comfy",
+              "LoadedModel.model", "pinned.py: _loaded_by_comfy, model.py: take_back_memory",
               lambda: _attributes(mm, "current_loaded_models") or _source_mentions(mm.LoadedModel, "def model")),
         Reach("Dynamic VRAM marks the modules it manages with an attribute _v (absent before v0.20)",
               "pinned.py: pinned_patcher",

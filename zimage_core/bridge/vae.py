@@ -11,6 +11,7 @@ import comfy.model_management as mm
 
 from ..device_copies import DeviceCopies, module_tensors
 from .memory import on_an_emptied_gpu_after_oom
+from .model import take_back_memory
 from .pinned import pinned_patcher
 
 log = logging.getLogger("zimage")
@@ -61,6 +62,7 @@ def decode(vae, latent, on_tiled=None):
     try:
         out = on_an_emptied_gpu_after_oom(lambda: _decode_full(vae, latent), vae.device, "decoding")
         log.debug("Z-Image: decoded in %.2f s", time.perf_counter() - start)
+        take_back_memory()
         return out
     except mm.OOM_EXCEPTION:
         pass
