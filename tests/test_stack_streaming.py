@@ -170,9 +170,10 @@ def test_device_copies_equal_the_model_and_leave_it_as_it_was(device):
     assert live_bytes() == before
 
 
-def mapped_state_dict(module, path):
-    """``module``'s tensors as its loader would hand them over from a read-only memory mapping of a
-    safetensors file (as ComfyUI's does with Dynamic VRAM): views of the mapped file, no copy."""
+def mapped_state_dict(module, path, writable=False):
+    """``module``'s tensors as its loader would hand them over from a private read-only memory
+    mapping of a safetensors file (as ComfyUI's does with Dynamic VRAM): views of the mapped file,
+    no copy."""
     import json
     import mmap
     import struct
@@ -181,7 +182,8 @@ def mapped_state_dict(module, path):
     from safetensors.torch import save_file
     save_file({k: v.contiguous() for k, v in module.state_dict().items()}, str(path))
     with open(path, "rb") as f:
-        mapped = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+        mapped = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_PRIVATE,
+                           prot=mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0))
     (n,) = struct.unpack("<Q", mapped[:8])
     header = json.loads(mapped[8:8 + n])
     header.pop("__metadata__", None)
@@ -193,15 +195,18 @@ def mapped_state_dict(module, path):
             for k, e in header.items()}
 
 
-def test_only_file_mapped_memory_counts_as_mapped(tmp_path):
-    from zimage_core.host_memory import _file_mapped, _page_spans
+def test_file_mapped_tensors_are_viewed_in_a_shared_mapping(tmp_path):
+    from zimage_core.host_memory import _file_views
     enc = Encoder()
     sd = mapped_state_dict(enc, tmp_path / "enc.safetensors")
-    spans = _page_spans(sd.values())
-    assert len(spans) == 1  # neighbours in the file share pages: one range
-    assert _file_mapped(spans)
-    assert not _file_mapped(_page_spans([torch.empty(1 << 20)]))  # ordinary memory is never locked in place
-    assert not HostPool(pin=False).pin_in_place(list(sd.values()))  # nothing to lock without CUDA
+    views = _file_views(list(sd.values()))
+    assert views is not None
+    for t, v in zip(sd.values(), views):  # the same bytes (the same pages), through another mapping
+        assert torch.equal(t, v) and v.dtype == t.dtype and v.data_ptr() != t.data_ptr()
+    assert _file_views([torch.empty(1 << 20)]) is None  # ordinary memory is never locked in place
+    # nor a private mapping that could have been written: its pages may not be the file's
+    assert _file_views(list(mapped_state_dict(enc, tmp_path / "w.safetensors", writable=True).values())) is None
+    assert HostPool(pin=False).pin_in_place(list(sd.values())) is None  # nothing to lock without CUDA
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -217,11 +222,11 @@ def test_file_mapped_weights_are_locked_in_place_and_stream_identically(tmp_path
     for _ in range(2):
         with stack.running():
             assert torch.equal(enc(ids), whole)
-    assert addresses(enc) == where and not stack.streamer._staging  # uploaded from where they are
+    assert addresses(enc.layers) == {k: where[f"layers.{k}"] for k in addresses(enc.layers)}
+    assert not stack.streamer._staging  # uploaded from where they are
     stack.release()
     assert live_bytes() == before
-    # unlocked again: the same pages can be locked anew, here as a model's own masters
-    pool = HostPool()
+    pool = HostPool()  # a whole model from its file's pages, the model's own tensors untouched
     copies = DeviceCopies(module_tensors(enc), "cuda", pool)
     with copies.running():
         assert torch.equal(enc(ids), whole)

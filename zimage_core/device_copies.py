@@ -2,8 +2,10 @@
 placed (the transformer's fixed part, which every step needs).
 
 The model is left as it is between runs (its tensors stay wherever its owner keeps them).
-``load()`` makes the masters once (pinned while the host budget has room; the model's tensors
-then point at them, so host memory holds each weight once) and uploads device copies;
+``load()`` makes the masters once and uploads device copies: where the model's loader
+memory-mapped its file, the same bytes locked in place (``HostPool.pin_in_place``); else packed
+copies, pinned while the host budget has room, that the model's tensors then point at (host
+memory holds each weight once);
 ``running()`` points the model's parameters and buffers at the copies and back afterwards.
 Unloading drops the copies and copies nothing back, so making room is free, and loading again
 is one upload from pinned memory. Same values, same kernels: the output is the model's own.
@@ -25,14 +27,11 @@ def copy_source(t):
 
 
 def host_masters(tensors: list, pool: HostPool) -> list:
-    """Host masters of ``tensors``, in order: the tensors themselves, locked in place, where they all
-    map a file; else views into one packed buffer per dtype taken from
+    """Host masters of ``tensors``, in order: views into one packed buffer per dtype taken from
     ``pool`` (pinned on CUDA: one registration instead of one per tensor) where it has room, else
     the tensors themselves (on the CPU, where the pool's cap is 0, the model's own tensors are the
     masters: nothing is held twice)."""
     sources = [copy_source(t) for t in tensors]
-    if pool.pin_in_place(sources):  # a file mapping (ComfyUI's loader): locked where it is, no copy
-        return sources
     masters = [None] * len(tensors)
     by_dtype = {}
     for j, t in enumerate(tensors):
@@ -71,8 +70,13 @@ class DeviceCopies:
 
     def load(self):
         if self._host is None:
-            self._host = host_masters([getattr(m, kind)[name] for m, kind, name in self.entries], self.pool)
-            self._point(self._host)
+            tensors = [getattr(m, kind)[name] for m, kind, name in self.entries]
+            # where the model's loader memory-mapped its file: the same bytes locked in place, no copy
+            # (the model keeps its own tensors); else packed masters the model's tensors point at
+            self._host = self.pool.pin_in_place(tensors) if self.device.type == "cuda" else None
+            if self._host is None:
+                self._host = host_masters(tensors, self.pool)
+                self._point(self._host)
         if self._device is None:
             self._device = [t.to(self.device, non_blocking=True) for t in self._host]
 

@@ -20,6 +20,7 @@ import mmap
 import os
 import sys
 import threading
+import warnings
 import weakref
 
 import torch
@@ -208,25 +209,56 @@ def _page_spans(tensors) -> list:
     return [(a, b) for a, b in spans]
 
 
-def _file_mapped(spans) -> bool:
-    """Every span lies in memory that maps a file (Linux: /proc/self/maps; False elsewhere)."""
+def _file_maps() -> list:
+    """[(start, stop, file offset, path)] of this process's mappings of files that hold the file's
+    bytes (shared, or private and read-only), adjacent pieces of one mapping joined (Linux:
+    /proc/self/maps; [] elsewhere)."""
+    maps = []
     try:
         with open("/proc/self/maps") as f:
-            maps = []
             for line in f:
                 fields = line.split(maxsplit=5)
-                if len(fields) == 6 and fields[4] != "0" and fields[5].startswith("/"):
-                    lo, hi = fields[0].split("-")
-                    maps.append([int(lo, 16), int(hi, 16)])
+                if len(fields) < 6 or fields[4] == "0" or not fields[5].startswith("/"):
+                    continue
+                perms, path = fields[1], fields[5].rstrip("\n")
+                if path.endswith(" (deleted)") or ("w" in perms and perms[3] == "p"):
+                    continue  # gone from the disk, or private pages that may have been written
+                lo, hi = (int(x, 16) for x in fields[0].split("-"))
+                offset = int(fields[2], 16)
+                if maps and maps[-1][1] == lo and maps[-1][3] == path and maps[-1][2] + (lo - maps[-1][0]) == offset:
+                    maps[-1][1] = hi
+                else:
+                    maps.append([lo, hi, offset, path])
     except OSError:
-        return False
-    merged = []
-    for lo, hi in sorted(maps):
-        if merged and lo <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], hi)
-        else:
-            merged.append([lo, hi])
-    return all(any(lo <= a and b <= hi for lo, hi in merged) for a, b in spans)
+        return []
+    return maps
+
+
+def _file_views(tensors) -> list | None:
+    """``tensors`` as views of the same bytes in a shared read-only mapping of the files they map,
+    or None where one of them does not map a file (ordinary memory is never locked in place: a
+    heap page it shares with other objects could go back to the OS and be refilled while locked).
+    The loader's own mapping may be private, and Linux cannot lock a private read-only mapping for
+    the device (the registration never returns); a shared one of the same file is the same pages
+    of the page cache, so it costs no RAM."""
+    maps = _file_maps()
+    where = []
+    for t in tensors:
+        p = t.data_ptr()
+        m = next((m for m in maps if m[0] <= p and p + t.nbytes <= m[1]), None)
+        if m is None or t.is_meta or not t.is_contiguous():
+            return None
+        where.append((m[3], m[2] + p - m[0]))
+    files, views = {}, []
+    try:
+        for t, (path, offset) in zip(tensors, where):
+            if path not in files:
+                with open(path, "rb") as f:
+                    files[path] = torch.frombuffer(mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ), dtype=torch.uint8)
+            views.append(files[path][offset:offset + t.nbytes].view(t.dtype).view(t.shape))
+    except (OSError, ValueError, RuntimeError):  # unreadable now, or an offset the dtype cannot view
+        return None
+    return views
 
 
 def _release(held: dict, pin: bool, owner: str):
@@ -289,41 +321,42 @@ class HostPool:
             _live += nbytes
         return buf
 
-    def pin_in_place(self, tensors) -> bool:
-        """Page-lock ``tensors`` where they are, when every one of them maps a file (a model its
-        loader memory-mapped, as ComfyUI's does) and the budget has room: uploads from them then
-        run at full bus speed and asynchronously, with no copy of them in host memory (they are
-        their own masters). The pool keeps them alive and unlocks them with its buffers. False,
-        with nothing locked, otherwise: ordinary memory is never locked in place, since a heap page
-        it shares with other objects could go back to the OS and be refilled while locked."""
+    def pin_in_place(self, tensors) -> list | None:
+        """``tensors`` page-locked where they are, when every one of them maps a file (a model its
+        loader memory-mapped, as ComfyUI's does) and the budget has room: views of the same bytes
+        (``_file_views``), from which uploads run at full bus speed and asynchronously, with no
+        copy of them in host memory. The pool keeps them alive and unlocks them with its buffers.
+        None, with nothing locked, otherwise."""
         global _live, _pins
-        if not (self.pin and tensors) or any(t.device.type != "cpu" or t.is_meta or not t.is_contiguous()
-                                             for t in tensors):
-            return False
-        spans = _page_spans(tensors)
+        if not (self.pin and tensors) or any(t.device.type != "cpu" for t in tensors):
+            return None
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the mapping is read-only by design
+            views = _file_views(tensors)
+        if views is None:
+            return None
+        spans = _page_spans(views)
         nbytes = sum(b - a for a, b in spans)
-        if not _file_mapped(spans):
-            return False
         with _lock:
             if nbytes > self.room():
-                return False
+                return None
             done = []
             for a, b in spans:
                 if torch.cuda.cudart().cudaHostRegister(a, b - a, _REGISTER_READ_ONLY) != 0:
-                    _discard_cuda_error()  # a device without read-only registration, or pages locked already
+                    _discard_cuda_error()  # a device without read-only registration
                     for start in done:
                         torch.cuda.cudart().cudaHostUnregister(start)
-                    return False
+                    return None
                 done.append(a)
             _pins += len(spans)
             for a, b in spans:
                 self._held[a] = _in_place[a] = b - a
-            self._buffers += list(tensors)
+            self._buffers += views
             self.in_place += nbytes
             self.used += nbytes
             BUDGET._count(self.owner, nbytes)
             _live += nbytes
-        return True
+        return views
 
     def report(self, what: str):
         """Log the buffers pinned since the last report, in one line (the benchmarks count these)."""

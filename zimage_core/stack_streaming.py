@@ -69,12 +69,15 @@ class StreamedStack:
         if any(type(t) not in (torch.Tensor, torch.nn.Parameter) for p in params for t in p.values()):
             raise UnsupportedStack("its weights are not plain tensors (a quantized format)")
         self.layout = PackLayout({k: tuple(t.shape) for k, t in params[0].items()}, dtypes.pop())
-        sources = [{k: [(0, copy_source(t))] for k, t in p.items()} for p in params]
         # where the model's loader memory-mapped its file and the host budget has room, the layers
         # are locked where they are: uploads run at full bus speed, with no staging and no copy
-        in_place = self.device.type == "cuda" and pool.pin_in_place([t for p in sources for [(_, t)] in p.values()])
+        locked = pool.pin_in_place([t for p in params for t in p.values()]) if self.device.type == "cuda" else None
+        if locked is not None:
+            it = iter(locked)
+            params = [{k: next(it) for k in p} for p in params]
+        sources = [{k: [(0, copy_source(t))] for k, t in p.items()} for p in params]
         self.streamer = LayerStreamer(self.layout, sources, self.device, pool, masters=False,
-                                      pinned_sources=in_place)
+                                      pinned_sources=locked is not None)
         self.n_slots = min(slots, len(self.layers))
         inside = {id(m) for m in self.layers.modules()}
         # tables the model keeps in host memory (not on the meta device, which the file left empty)
