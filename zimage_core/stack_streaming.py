@@ -3,7 +3,7 @@ through a ring of device slots while the model's own forward drives the loop.
 
 Host memory holds each weight once: the model's own tensors are the source of every upload. Where
 ComfyUI keeps them in a file mapping and the host budget has room, they are locked in place
-(``HostPool.pin_in_place``) and uploaded straight from there at full bus speed (Qwen3-4B: 0.14 s
+(``HostPool.pin_in_place``) and uploaded straight from there at full bus speed (Qwen3-4B: 0.15-0.17 s
 a prompt on an H200 instead of 0.25-0.36); otherwise they are read through a ring of small pinned
 staging buffers. They never get pinned copies: a text encoder runs once per prompt, and copies
 would double it in RAM.
