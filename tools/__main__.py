@@ -1,5 +1,6 @@
-"""python -m tools bench | random-weights: the core benchmark (median step against its bound, in one
-process) and the random-weight generator. Run from the repository's root."""
+"""python -m tools bench | random-weights | ratio: the core benchmark (median step against its bound,
+in one process), the random-weight generator, and how well a checkpoint's layers compress. Run from
+the repository's root."""
 from __future__ import annotations
 
 import argparse
@@ -13,7 +14,7 @@ from zimage_core.__main__ import GiB, _Parser, count, gib, run, size_arguments
 from zimage_core.config import ZImageConfig
 from zimage_core.transformer import STORAGE_DTYPES
 
-from . import bench
+from . import bench, ratio
 from .random_weights import write_checkpoint
 
 
@@ -60,8 +61,9 @@ def _random(a):
         except OSError as e:
             sys.exit(f"error: cannot create the folder {folder}: {e.strerror}")
         print(f"created {folder}")
-    out = write_checkpoint(a.out, cfg, dtype=dtype, seed=a.seed, device=a.device)
-    print(f"wrote {out[0]} ({cfg.n_layers} layers, {a.dtype}, {cfg.total_params() / 1e9:.2f} B parameters)")
+    out = write_checkpoint(a.out, cfg, dtype=dtype, seed=a.seed, device=a.device, realistic=not a.plain)
+    print(f"wrote {out[0]} ({cfg.n_layers} layers, {a.dtype}, {cfg.total_params() / 1e9:.2f} B parameters, "
+          f"{'plain N(0, 0.02)' if a.plain else 'realistic'} values)")
 
 
 def _bench(a):
@@ -103,7 +105,7 @@ def _print_bench(r):
 
 def main(argv=None):
     ap = _Parser(prog="python -m tools")
-    sub = ap.add_subparsers(dest="cmd", required=True, metavar="random-weights|bench")
+    sub = ap.add_subparsers(dest="cmd", required=True, metavar="random-weights|bench|ratio")
     r = sub.add_parser("random-weights", help="write a full-size random checkpoint (ComfyUI layout)")
     r.add_argument("out", type=checkpoint_out,
                    help="the .safetensors file to write (its folder is created if missing)")
@@ -111,7 +113,14 @@ def main(argv=None):
     r.add_argument("--dtype", default="bf16", choices=list(STORAGE_DTYPES))
     r.add_argument("--seed", type=count(0, 2**64 - 1), default=0)
     r.add_argument("--device", type=device, default="cpu", help="where to draw the random numbers (cuda is faster)")
+    r.add_argument("--plain", action="store_true",
+                   help="N(0, 0.02) for every matrix, as earlier versions drew (default: realistic scales)")
     r.set_defaults(fn=_random)
+    c = sub.add_parser("ratio", help="compressed bytes of each streamed layer over its bf16 bytes")
+    c.add_argument("--weights", type=weights_file, required=True, help="a Z-Image transformer .safetensors file")
+    c.add_argument("--layers", type=count(1, 64), help="only the first N layers (the encode is slow on a CPU)")
+    c.add_argument("--device", type=device, default="cpu", help="where to encode (cuda is faster)")
+    c.set_defaults(fn=lambda a: ratio.report(a.weights, a.layers, a.device))
     b = sub.add_parser("bench", help="median step time against its bound")
     b.add_argument("--weights", type=weights_file, required=True,
                    help="a Z-Image transformer .safetensors file (e.g. from random-weights)")

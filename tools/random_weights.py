@@ -1,11 +1,22 @@
 """Random Z-Image weights in the real key layouts, written tensor by tensor (no full copy in RAM).
 
-Values are random (normal * 0.02, norms at 1): these files measure speed and memory and
-exercise the loaders; they make no pictures.
+These files measure speed and memory and exercise the loaders; they make no pictures. Values do
+not change speed, but they decide how well the weights compress (``zimage_core.compression``), so
+by default they are drawn closer to a trained DiT's than plain N(0, 0.02) (``realistic``). What it
+assumes, from common initialisation schemes and the statistics of trained transformers:
+
+- norm weights near 1 (1 + N(0, 0.05)); biases small (N(0, 0.01));
+- each matrix its own scale: 0.02 times a log-uniform factor in [1/2, 2];
+- output projections (attention out, feed-forward w2, the final linear) and adaLN modulation 4x
+  smaller (scaled residual branches and near-zero modulation at initialisation);
+- one weight in 10^4 an outlier, 20x its matrix's scale.
+
+``plain`` draws N(0, 0.02) for every matrix (norms at 1), as earlier versions did.
 """
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 
@@ -16,12 +27,28 @@ from zimage_core.config import ZImageConfig
 from zimage_core.safetensors_file import DTYPES
 
 _NAMES = {v: k for k, v in DTYPES.items()}
+OUTLIER_RATE = 1e-4
+_SMALL = ("attention.out.weight", "feed_forward.w2.weight", "final_layer.linear.weight", "adaLN_modulation")
 
 
-def random_tensor(key, shape, gen, device="cpu"):
-    if key.endswith("norm1.weight") or key.endswith("norm2.weight") or "_norm." in key or key == "cap_embedder.0.weight":
-        return torch.ones(shape)
-    return torch.randn(shape, generator=gen, device=device, dtype=torch.float32).mul_(0.02)
+def _is_norm(key):
+    return key.endswith(("norm1.weight", "norm2.weight")) or "_norm." in key or key == "cap_embedder.0.weight"
+
+
+def random_tensor(key, shape, gen, device="cpu", realistic=True):
+    if not realistic:
+        if _is_norm(key):
+            return torch.ones(shape)
+        return torch.randn(shape, generator=gen, device=device, dtype=torch.float32).mul_(0.02)
+    x = torch.randn(shape, generator=gen, device=device, dtype=torch.float32)
+    if _is_norm(key):
+        return x.mul_(0.05).add_(1)
+    if key.endswith("bias") or len(shape) < 2:
+        return x.mul_(0.01)
+    u = torch.rand((), generator=gen, device=device).item()
+    scale = 0.02 * math.exp((2 * u - 1) * math.log(2)) / (4 if any(k in key for k in _SMALL) else 1)
+    outliers = torch.rand(shape, generator=gen, device=device) < OUTLIER_RATE
+    return x.mul_(torch.where(outliers, 20 * scale, scale))
 
 
 def to_layout(key, layout):
@@ -55,12 +82,13 @@ def write_safetensors(path, tensors):
 
 
 def write_checkpoint(path, cfg: ZImageConfig, values=None, dtype=torch.bfloat16, layout="comfyui",
-                     seed=0, device="cpu", shards=1):
-    """Write a Z-Image checkpoint. ``values(key) -> tensor`` gives canonical values (random by default).
+                     seed=0, device="cpu", shards=1, realistic=True):
+    """Write a Z-Image checkpoint. ``values(key) -> tensor`` gives canonical values (random by default:
+    ``random_tensor``, ``realistic`` or plain).
     Diffusers layout with ``shards`` > 1 writes ``*.safetensors.index.json`` beside the shards."""
     gen = torch.Generator(device=device).manual_seed(seed)
     shapes = expected_shapes(cfg)
-    make_value = values or (lambda key: random_tensor(key, shapes[key], gen, device))
+    make_value = values or (lambda key: random_tensor(key, shapes[key], gen, device, realistic))
     entries = []
     for key in sorted(shapes):
         parts = to_layout(key, layout)
