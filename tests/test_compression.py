@@ -8,14 +8,10 @@ from zimage_core import compression
 
 
 def roundtrip(flat):
-    layout = compression.plan(flat)
-    packed = torch.empty(layout.nbytes, dtype=torch.uint8)
-    compression.encode(flat, layout, packed)
+    chunks, packed = compression.encode_all(flat)
     back = torch.full_like(flat, float("nan"))
-    for c in layout.chunks:
-        compression.decode(packed[c.offset:c.offset + c.nbytes].clone(), c, layout.base,
-                           back[c.start:c.start + c.numel])
-    return layout, back
+    compression.decode_all(chunks, packed.clone(), back)
+    return chunks, packed, back
 
 
 def same_bits(a, b):
@@ -24,9 +20,9 @@ def same_bits(a, b):
 
 def test_every_bf16_bit_pattern_comes_back():
     every = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
-    layout, back = roundtrip(every)  # zeros, subnormals, infinities, NaNs of every payload
+    chunks, _, back = roundtrip(every)  # zeros, subnormals, infinities, NaNs of every payload
     assert same_bits(back, every)
-    assert sum(c.n_exc for c in layout.chunks) == 65536 - 16 * 256  # 16 of 256 high bytes have a code
+    assert sum(c.n_exc for c in chunks) == 65536 - 16 * 256  # 16 of 256 high bytes have a code
 
 
 @pytest.mark.parametrize("numel", [1, 2, 7, 1000, 4099])
@@ -35,9 +31,9 @@ def test_chunk_borders_and_odd_sizes(monkeypatch, numel):
     torch.manual_seed(numel)
     flat = (torch.randn(numel) * 0.02).to(torch.bfloat16)
     flat[::97] = 0  # exceptions in every chunk
-    layout, back = roundtrip(flat)
-    assert len(layout.chunks) == -(-numel // 1024)
-    assert all(c.offset % 4 == 0 for c in layout.chunks)
+    chunks, packed, back = roundtrip(flat)
+    assert len(chunks) == -(-numel // 1024) and packed.numel() == sum(c.nbytes for c in chunks)
+    assert all(c.offset % 4 == 0 for c in chunks)
     assert same_bits(back, flat)
 
 
@@ -46,9 +42,11 @@ def test_trained_like_weights_take_three_quarters():
     for key in ("layers.0.feed_forward.w1.weight", "layers.0.attention.out.weight",
                 "layers.0.adaLN_modulation.0.weight"):
         flat = random_tensor(key, (512, 2048), gen).to(torch.bfloat16).view(-1)
-        layout, back = roundtrip(flat)
+        chunks, packed, back = roundtrip(flat)
         assert same_bits(back, flat)
-        assert layout.nbytes / flat.nbytes < 0.76
+        assert packed.numel() / flat.nbytes < 0.76
+        assert all(c.n_exc <= compression.max_exceptions(c.numel) for c in chunks)
+        assert packed.numel() <= compression.bound(flat.numel()) < 0.78 * flat.nbytes
 
 
 def test_realistic_random_weights_differ_from_plain_ones_as_stated():
@@ -62,3 +60,13 @@ def test_realistic_random_weights_differ_from_plain_ones_as_stated():
     assert 2e-5 < big < 5e-4
     plain = random_tensor("layers.0.feed_forward.w1.weight", (1024, 1024), gen, realistic=False)
     assert abs(plain.std() - 0.02) < 1e-3
+
+
+def test_the_switch_reads_on_and_off_and_refuses_the_rest(monkeypatch):
+    from zimage_core.errors import SettingError
+    for text, want in (("", False), ("off", False), ("on", True), (" ON ", True), ("1", True)):
+        monkeypatch.setenv("ZIMAGE_COMPRESSION", text)
+        assert compression.compression_setting() is want
+    monkeypatch.setenv("ZIMAGE_COMPRESSION", "fast")
+    with pytest.raises(SettingError, match="ZIMAGE_COMPRESSION is 'fast': set it to on or off"):
+        compression.compression_setting()

@@ -88,3 +88,24 @@ def test_a_staging_ring_of_small_chunks_is_bit_identical_on_cuda(tiny_file, monk
     assert len(m.streamer._staging) == streamer.STAGING_BUFFERS and all(b.is_pinned() for b, _ in m.streamer._staging)
     assert torch.equal(euler_sample(m, x.cuda(), ctx.cuda(), steps=3), ref)
     m.release()
+
+
+def test_compressed_masters_are_bit_identical_on_cuda(tiny_file, monkeypatch):
+    """Masters encoded on the device, stored compressed in pinned memory, uploaded a chunk at a time
+    and decoded on the decode stream while the next chunk crosses: the resident output, at every
+    split and slot count, with chunks small enough that every layer has several."""
+    from zimage_core import compression
+    monkeypatch.setattr(compression, "CHUNK", 40000)
+    before = host_memory.live_bytes()
+    m = ZImageTransformer.load(tiny_file, device="cuda", dtype="bf16", settings=Settings(compress=True))
+    x, _, ctx = inputs(TINY, width=128, height=96)
+    m.prepare(128, 96, resident_layers=TINY.n_blocks)
+    ref = euler_sample(m, x.cuda(), ctx.cuda(), steps=4)
+    for r in range(TINY.n_blocks):
+        for slots in (1, 2, 3):
+            m.streamer.configure(r, slots)
+            assert torch.equal(euler_sample(m, x.cuda(), ctx.cuda(), steps=4), ref), (r, slots)
+    s = m.streamer
+    assert all(c is not None and len(c) > 2 for c in s.codes) and all(h.is_pinned() for h in s.host)
+    m.release()
+    assert host_memory.live_bytes() == before

@@ -153,3 +153,28 @@ def test_bench_reports_bad_weights(tmp_path):
     p.write_bytes(b"nope")
     r = _cli("bench", "--weights", str(p), "--device", "cpu")
     assert r.returncode != 0 and "error:" in r.stderr and "x.safetensors" in r.stderr
+
+
+def test_compressed_masters_take_less_host_memory_and_bus_time():
+    plain = plan(FULL, int(5.5 * GiB), 1024, 1024, compute_copy_ratio=0.7)
+    packed = plan(FULL, int(5.5 * GiB), 1024, 1024, compute_copy_ratio=0.7, compress=True)
+    assert packed.master_bytes < 0.78 * packed.layer_bytes and plain.master_bytes == plain.layer_bytes
+    assert packed.pinned_host_bytes == packed.pinned_layers * packed.master_bytes
+    assert packed.resident_layers + packed.slots <= plain.resident_layers + plain.slots  # its device buffers
+    n = FULL.n_blocks
+    costs = [0.7] * n
+    assert (simulate_step(n, packed.resident_layers, packed.slots, costs, packed.master_bytes / packed.layer_bytes, 0.2)
+            < simulate_step(n, plain.resident_layers, plain.slots, costs, 1.0, 0.2))
+    fp8 = plan(FULL, int(5.5 * GiB), 1024, 1024, storage=torch.float8_e4m3fn, compress=True)
+    assert fp8.master_bytes == fp8.layer_bytes  # bf16 layers only
+
+
+def test_bench_compares_compression_off_and_on_in_one_process(tiny_file):
+    r = _cli("bench", "--weights", tiny_file, "--width", "64", "--height", "64", "--steps", "2",
+             "--resident-layers", "1", "--compression", "both", "--json", "--device", "cpu")
+    assert r.returncode == 0, r.stderr
+    off, on = (json.loads(line) for line in r.stdout.splitlines())
+    assert (off["compression"], on["compression"]) == (False, True)
+    assert off["output_sha256"] == on["output_sha256"]
+    assert on["compressed_layers"] == TINY.n_blocks - 1 and off["compressed_layers"] == 0
+    assert on["streamed_bytes_per_step"] < 0.78 * off["streamed_bytes_per_step"]

@@ -361,3 +361,34 @@ def test_streamed_layers_the_plan_leaves_in_the_file_get_no_master(tiny_file):
     s.configure(0, 2)  # evicted beyond the plan: the planned none-from-file still holds
     assert torch.equal(m(x, t, ctx), ref) and s.master_layers == TINY.n_blocks
     m.release()
+
+
+def test_compressed_masters_stream_the_same_bits_at_every_split(tiny_file):
+    """With ``compress`` the streamed layers' masters are stored compressed (0.75-0.78 of their bytes)
+    and decoded into the slot at every upload: the output is the uncompressed model's, bit for
+    bit, whatever the split; a weight patch still reaches a compressed layer."""
+    from zimage_core import compression
+    x, t, ctx = inputs(TINY)
+    before = host_memory.live_bytes()
+    plain = ZImageTransformer.load(tiny_file, device="cpu", dtype="bf16")
+    plain.prepare(64, 48, resident_layers=TINY.n_blocks)
+    ref = plain(x, t, ctx)
+    m = ZImageTransformer.load(tiny_file, device="cpu", dtype="bf16", settings=Settings(compress=True))
+    try:
+        for resident in (0, 2, TINY.n_blocks - 1, TINY.n_blocks, 0):
+            m.prepare(64, 48, resident_layers=resident)
+            assert torch.equal(m(x, t, ctx), ref)
+        s = m.streamer
+        assert all(c is not None for c in s.codes) and s.master_layers == TINY.n_blocks
+        bound = compression.bound(s.layout.numel)
+        assert all(h.dtype == torch.uint8 and h.numel() == bound for h in s.host) and bound < 0.78 * s.layout.nbytes
+        key = "layers.1.feed_forward.w2.weight"  # layer 1 streamed, its master compressed
+        for model in (plain, m):
+            model.set_weight(key, model.base_weight(key) * 1.5)
+        assert s.codes[plain.block_index["layers.1"]] is None  # decoded into a plain master to be patched
+        patched = plain(x, t, ctx)
+        assert not torch.equal(patched, ref) and torch.equal(m(x, t, ctx), patched)
+    finally:
+        m.release()
+        plain.release()
+    assert host_memory.live_bytes() == before

@@ -17,9 +17,10 @@ import time
 
 import torch
 
-from zimage_core import host_memory
+from zimage_core import compression, host_memory
+from zimage_core.transformer import Settings, ZImageTransformer
+
 from .schedule import euler_sample
-from zimage_core.transformer import ZImageTransformer
 
 
 def _sync(dev):
@@ -90,12 +91,13 @@ def simulated_card(leave_gib):
 
 
 def run(weights, width, height, steps=8, seed=0, splits=(None,), device=None, resident=False,
-        cap_tokens=64, dtype="bf16", card_gib=None):
-    """One result per split (None: planned); the model is loaded once."""
+        cap_tokens=64, dtype="bf16", card_gib=None, compress=False):
+    """One result per split (None: planned); the model is loaded once. ``compress``: its masters
+    are stored compressed."""
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     with simulated_card(card_gib):
         t0 = time.perf_counter()
-        model = ZImageTransformer.load(weights, device=dev, dtype=dtype)
+        model = ZImageTransformer.load(weights, device=dev, dtype=dtype, settings=Settings(compress=compress))
         load_s = time.perf_counter() - t0
         try:
             results = [_run(model, dev, width, height, steps, seed, r, resident and i == 0, cap_tokens)
@@ -104,6 +106,7 @@ def run(weights, width, height, steps=8, seed=0, splits=(None,), device=None, re
             model.release()
     for r in results:
         r["card_gib"] = card_gib
+        r["compression"] = compress
     results[0]["load_s"] = load_s
     return results
 
@@ -119,13 +122,36 @@ def _upload_hook(streamer, hook):
 
 def _timed_upload(copies, stream, i, upload):
     if stream is None:  # on the CPU: counted, not timed
-        copies.append(None)
+        copies.append((i, None))
         return upload()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record(stream)
     upload()
     end.record(stream)
-    copies.append((start, end))
+    copies.append((i, (start, end)))
+
+
+def _upload_bytes(s, i) -> int:
+    """Bytes layer i's upload moves over the bus: its compressed chunks, or the packed layer."""
+    return sum(c.nbytes for c in s.codes[i]) if s.codes[i] else s.layout.nbytes
+
+
+def _decode_time(s, dev) -> float | None:
+    """Seconds the device takes to decode one compressed layer (its bytes already on the device)."""
+    i = next((i for i, c in enumerate(s.codes) if c), None)
+    if i is None:
+        return None
+    packed = s.host[i].to(dev)
+    out = torch.empty(s.layout.numel, dtype=s.layout.dtype, device=dev)
+    times = []
+    for _ in range(5):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        compression.decode_all(s.codes[i], packed, out)
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    return statistics.median(times[1:])
 
 
 def _run(model, dev, width, height, steps, seed, resident_layers, resident, cap_tokens):
@@ -146,12 +172,13 @@ def _run(model, dev, width, height, steps, seed, resident_layers, resident, cap_
         torch.cuda.synchronize(dev)
         held = torch.cuda.memory_allocated(dev)
         torch.cuda.reset_peak_memory_stats(dev)
-    copies = []  # (start, end) events of each upload into a slot
+    copies = []  # (layer, (start, end) events) of each upload into a slot
     with _upload_hook(s, functools.partial(_timed_upload, copies, s.copy_stream)):
         out, times = _timed_steps(model, noise, ctx, steps)
     s.synchronize()
-    copy_s = sum(e[0].elapsed_time(e[1]) for e in copies if e) / 1e3
-    streamed_bytes = len(copies) * s.layout.nbytes / steps
+    copy_s = sum(e[0].elapsed_time(e[1]) for _, e in copies if e) / 1e3
+    moved = sum(_upload_bytes(s, i) for i, _ in copies)
+    streamed_bytes = moved / steps
     bw = pinned_bandwidth(model)
     with _upload_hook(s, lambda i, upload: None):  # compute alone, same memory, uploads skipped
         _, compute_times = _timed_steps(model, noise, ctx, steps)
@@ -167,12 +194,14 @@ def _run(model, dev, width, height, steps, seed, resident_layers, resident, cap_
         "pinned_layers": s.pinned_layers, "file_layers": s.n_streamed - s.master_layers,
         "first_step_s": times[0], "median_step_s": step, "compute_step_s": compute,
         "streamed_bytes_per_step": streamed_bytes,
-        "copy_bandwidth_Bps": (len(copies) * s.layout.nbytes / copy_s) if copy_s else None,
+        "copy_bandwidth_Bps": (moved / copy_s) if copy_s else None,
+        "compressed_layers": sum(c is not None for c in s.codes),
         "pinned_bandwidth_Bps": bw, "bound_s": bound, "ratio_to_bound": step / bound,
         "output_sha256": hashlib.sha256(out.cpu().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest(),
     }
     if dev.type == "cuda":
         result["measured_activation_bytes"] = torch.cuda.max_memory_allocated(dev) - held
+        result["decode_s_per_layer"] = _decode_time(s, dev)
     if resident:
         model.prepare(width, height, resident_layers=cfg.n_blocks)
         euler_sample(model, noise, ctx, steps=1)

@@ -13,31 +13,49 @@ That is 12 bits a weight plus 5 bytes an exception: 0.75 of bf16 when exceptions
 width code keeps the decode a handful of elementwise byte operations (no table, no bit stream), so
 the device decodes with torch's own kernels, no extra dependency, and the CPU runs the same code.
 
-The format is chunked like the staging ring (``CHUNK`` elements a chunk), so a chunk's compressed
+The format is chunked (``CHUNK`` elements a chunk, each with its own base), so a chunk's compressed
 bytes can be uploaded into a small device buffer and decoded into its part of the slot while the
-next chunk crosses the bus. ``encode`` runs once, when a layer gets its host master.
+next chunk crosses the bus. ``encode`` runs once a chunk, when a layer gets its host master, on the
+device that computes (a CPU takes seconds a layer).
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
 
-CHUNK = 32 << 20  # elements of one chunk (64 MiB of bf16, as a staging buffer)
+from .errors import SettingError
+
+CHUNK = 8 << 20  # elements of one chunk (16 MiB of bf16): the device's buffers for it stay small
 EXCEPTION_BYTES = 5  # an int32 position and the high byte
+# a layer is stored compressed only if no chunk has more exceptions than this fraction of its
+# weights: its host buffer is sized for that before it is encoded (0.775 of bf16 at most)
+EXCEPTIONS = 0.01
 
 
 @dataclass(frozen=True)
 class Chunk:
-    """Where one chunk's parts lie in its layer's compressed buffer (byte offsets) and their sizes."""
+    """Where one chunk lies in its layer (elements) and in the layer's compressed buffer (bytes)."""
     start: int    # first element of the chunk in the layer
     numel: int
     offset: int   # bytes: codes (ceil(numel / 2)), low bytes (numel), positions (4 * n_exc), high bytes (n_exc)
     n_exc: int
+    base: int     # the exponents' top 7 bits that code 0 stands for
 
     @property
     def nbytes(self) -> int:
         return compressed_bytes(self.numel, self.n_exc)
+
+
+def compression_setting() -> bool:
+    """ZIMAGE_COMPRESSION: on or off (the default)."""
+    text = os.environ.get("ZIMAGE_COMPRESSION", "").strip().lower()
+    if text in ("", "off", "0"):
+        return False
+    if text in ("on", "1"):
+        return True
+    raise SettingError(f"ZIMAGE_COMPRESSION is {text!r}: set it to on or off (the default), or unset it.")
 
 
 def _align4(n: int) -> int:
@@ -54,32 +72,24 @@ def compressed_bytes(numel: int, n_exc: int) -> int:
     return _align4(_head(numel) + EXCEPTION_BYTES * n_exc)  # the next chunk starts aligned too
 
 
-@dataclass(frozen=True)
-class Layout:
-    """A compressed layer: its base, its chunks, and the size of its buffer."""
-    base: int
-    chunks: tuple
-    numel: int
+def pieces(numel: int) -> list:
+    """[(start, numel)] of a layer's chunks."""
+    return [(start, min(CHUNK, numel - start)) for start in range(0, numel, CHUNK)]
 
-    @property
-    def nbytes(self) -> int:
-        return sum(c.nbytes for c in self.chunks)
+
+def max_exceptions(numel: int) -> int:
+    return int(numel * EXCEPTIONS)
+
+
+def bound(numel: int) -> int:
+    """Bytes of a compressed layer of ``numel`` weights whose chunks stay within ``EXCEPTIONS``."""
+    return sum(compressed_bytes(n, max_exceptions(n)) for _, n in pieces(numel))
 
 
 def _split(t: torch.Tensor):
     """A bf16 tensor's (low bytes, high bytes): little-endian byte pairs."""
     pairs = t.view(torch.uint8).view(-1, 2)
     return pairs[:, 0], pairs[:, 1]
-
-
-def choose_base(flat: torch.Tensor) -> int:
-    """The base whose 8 exponent-top values cover the most weights of ``flat`` (bf16)."""
-    hist = torch.zeros(128, dtype=torch.int64)
-    for start in range(0, flat.numel(), CHUNK):
-        _, hi = _split(flat[start:start + CHUNK])
-        hist += torch.bincount((hi & 0x7F).to(torch.int64), minlength=128).cpu()
-    covered = torch.stack([hist[b:b + 8].sum() for b in range(121)])
-    return int(covered.argmax())
 
 
 def _codes(hi: torch.Tensor, base: int):
@@ -90,34 +100,25 @@ def _codes(hi: torch.Tensor, base: int):
     return codes, ~inside
 
 
-def plan(flat: torch.Tensor, base: int | None = None) -> Layout:
-    """The compressed layout of ``flat`` (a bf16 host tensor): its base and each chunk's exceptions."""
-    base = choose_base(flat) if base is None else base
-    chunks, offset = [], 0
-    for start in range(0, flat.numel(), CHUNK):
-        part = flat[start:start + CHUNK]
-        _, hi = _split(part)
-        n_exc = int(_codes(hi, base)[1].sum())
-        c = Chunk(start, part.numel(), offset, n_exc)
-        chunks.append(c)
-        offset += c.nbytes
-    return Layout(base, tuple(chunks), flat.numel())
-
-
-def encode(flat: torch.Tensor, layout: Layout, out: torch.Tensor):
-    """Write ``flat`` (bf16, host) compressed into ``out`` (uint8, ``layout.nbytes``)."""
-    for c in layout.chunks:
-        lo, hi = _split(flat[c.start:c.start + c.numel])
-        codes, exc = _codes(hi, layout.base)
-        parts = views(out[c.offset:c.offset + c.nbytes], c)
-        if c.numel % 2:
-            codes = torch.cat((codes, codes.new_zeros(1)))
-        pairs = codes.view(-1, 2)
-        torch.bitwise_or(pairs[:, 0], pairs[:, 1] << 4, out=parts["codes"])
-        parts["low"].copy_(lo)
-        where = exc.nonzero().view(-1)
-        parts["positions"].copy_(where.to(torch.int32))
-        parts["high"].copy_(hi[where])
+def encode(part: torch.Tensor) -> tuple:
+    """(base, exceptions, compressed bytes) of one chunk ``part`` (bf16, on any device; the bytes
+    on the same device). The base is the one whose 8 exponent-top values cover the most weights."""
+    lo, hi = _split(part)
+    hist = torch.bincount((hi & 0x7F).to(torch.int32), minlength=128)
+    base = int(hist.unfold(0, 8, 1).sum(1).argmax())
+    codes, exc = _codes(hi, base)
+    where = exc.nonzero().view(-1)
+    out = torch.empty(compressed_bytes(part.numel(), where.numel()), dtype=torch.uint8, device=part.device)
+    c = Chunk(0, part.numel(), 0, where.numel(), base)
+    parts = views(out, c)
+    if c.numel % 2:
+        codes = torch.cat((codes, codes.new_zeros(1)))
+    pairs = codes.view(-1, 2)
+    torch.bitwise_or(pairs[:, 0], pairs[:, 1] << 4, out=parts["codes"])
+    parts["low"].copy_(lo)
+    parts["positions"].copy_(where.to(torch.int32))
+    parts["high"].copy_(hi[where])
+    return base, where.numel(), out
 
 
 def views(buf: torch.Tensor, c: Chunk) -> dict:
@@ -129,7 +130,7 @@ def views(buf: torch.Tensor, c: Chunk) -> dict:
             "high": buf[at + 4 * c.n_exc:at + EXCEPTION_BYTES * c.n_exc]}
 
 
-def decode(src: torch.Tensor, c: Chunk, base: int, dst: torch.Tensor):
+def decode(src: torch.Tensor, c: Chunk, dst: torch.Tensor):
     """Chunk ``c`` from ``src`` (its compressed bytes from the chunk's first on, on ``dst``'s
     device) into ``dst`` (bf16, ``c.numel`` elements): the bits it was encoded from, on any device."""
     parts = views(src, c)
@@ -137,6 +138,22 @@ def decode(src: torch.Tensor, c: Chunk, base: int, dst: torch.Tensor):
     lo.copy_(parts["low"])
     codes = parts["codes"]
     both = torch.stack((codes & 0x0F, codes >> 4), dim=-1).view(-1)[:c.numel]
-    torch.bitwise_or((both & 8) << 4, (both & 7) + base, out=hi)
+    torch.bitwise_or((both & 8) << 4, (both & 7) + c.base, out=hi)
     if c.n_exc:
         hi[parts["positions"].to(torch.int64)] = parts["high"]
+
+
+def encode_all(flat: torch.Tensor) -> tuple:
+    """(chunks, their compressed bytes one after the other) of a whole tensor, on its device."""
+    chunks, parts, offset = [], [], 0
+    for start, n in pieces(flat.numel()):
+        base, n_exc, packed = encode(flat[start:start + n])
+        chunks.append(Chunk(start, n, offset, n_exc, base))
+        parts.append(packed)
+        offset += packed.numel()
+    return tuple(chunks), torch.cat(parts)
+
+
+def decode_all(chunks, packed: torch.Tensor, dst: torch.Tensor):
+    for c in chunks:
+        decode(packed[c.offset:c.offset + c.nbytes], c, dst[c.start:c.start + c.numel])

@@ -18,13 +18,15 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from . import host_memory
+from . import compression, host_memory
 from .config import ZImageConfig
 from .streamer import PackLayout, residency_order, staging_bytes
 
 MiB = 1 << 20
 GiB = 1 << 30
 RESERVE = 384 * MiB  # cuBLAS workspaces, allocator rounding, the CUDA graphs of other code
+# compressed uploads: two chunk buffers and one chunk's decode or encode temporaries
+CODEC_BYTES = 128 * MiB
 HOST_RESERVE = GiB   # what a forward on the CPU leaves to the rest of the machine
 
 
@@ -64,7 +66,7 @@ class Plan:
     resident_layers: int
     streamed_layers: int
     slots: int
-    layer_bytes: int
+    layer_bytes: int               # on the device
     fixed_bytes: int
     activation_bytes: int
     device_bytes: int
@@ -76,6 +78,7 @@ class Plan:
     pinned_layers: int = 0         # streamed layers with a pinned master
     file_layers: int = 0           # streamed layers read from the file (page cache) at every upload
     ram_short: int = 0             # of those, layers a master would make faster, for which the RAM has no room
+    master_bytes: int = 0          # host bytes of one pinned master (less than layer_bytes where compressed)
 
     def as_dict(self):
         return asdict(self)
@@ -103,9 +106,9 @@ class Plan:
         self.resident_layers = max(0, min(resident, n))
         self.streamed_layers = n - self.resident_layers
         self.slots = 0 if not self.streamed_layers else max(self.slots, 2)
-        self.pinned_layers = _pinned_layers(self.streamed_layers, host_room, self.layer_bytes)
+        self.pinned_layers = _pinned_layers(self.streamed_layers, host_room, self.master_bytes)
         self.file_layers = self.ram_short = self.streamed_layers - self.pinned_layers
-        self.pinned_host_bytes = self.pinned_layers * self.layer_bytes
+        self.pinned_host_bytes = self.pinned_layers * self.master_bytes
 
     def sources(self) -> str:
         """Where the streamed layers come from, when not all from pinned memory: " (16 pinned, 5
@@ -180,9 +183,10 @@ def plan_host(cfg: ZImageConfig, free_bytes: int, width: int, height: int, batch
     act = need(width, height) - HOST_RESERVE
     fits = need(width, height) <= free_bytes
     n = cfg.n_blocks
+    layer = PackLayout(cfg, dtype).nbytes
     return Plan(width, height, batch, free_bytes, n if fits else 0, 0 if fits else n, 0,
-                PackLayout(cfg, dtype).nbytes, cfg.fixed_params() * dtype.itemsize, act, 0, 0, fits, on_cpu=True,
-                needed_bytes=act + HOST_RESERVE,
+                layer, cfg.fixed_params() * dtype.itemsize, act, 0, 0, fits, on_cpu=True,
+                needed_bytes=act + HOST_RESERVE, master_bytes=layer,
                 largest_fitting=None if fits else _largest_fitting(width, height, lambda w, h: need(w, h) <= free_bytes))
 
 
@@ -268,14 +272,15 @@ def block_costs(cfg: ZImageConfig, width, height, batch=1, cap_tokens=512) -> li
     return [cap / (img + cap)] * r + [img / (img + cap)] * r + [1.0] * cfg.n_layers
 
 
-def pinned_needed(n_layers, resident, slots, costs, fixed, file_copy: float) -> int:
+def pinned_needed(n_layers, resident, slots, costs, fixed, file_copy: float, master_copy: float = 1.0) -> int:
     """The fewest streamed layers that need pinned masters for a step to take no longer (within 1%)
     than with every one pinned, the others read from the page cache at ``file_copy`` times a
-    pinned upload. Masters are made at first upload, so the pinned ones are the first to run."""
+    plain pinned upload (a master's upload takes ``master_copy`` of that: less where it is
+    compressed). Masters are made at first upload, so the pinned ones are the first to run."""
     streamed = n_layers - resident
-    best = simulate_step(n_layers, resident, slots, costs, 1.0, fixed)
+    best = simulate_step(n_layers, resident, slots, costs, master_copy, fixed)
     for pinned in range(streamed):
-        copy = [1.0] * pinned + [file_copy] * (streamed - pinned)
+        copy = [master_copy] * pinned + [file_copy] * (streamed - pinned)
         if simulate_step(n_layers, resident, slots, costs, copy, fixed) <= best * 1.01:
             return pinned
     return streamed
@@ -283,16 +288,22 @@ def pinned_needed(n_layers, resident, slots, costs, fixed, file_copy: float) -> 
 
 def plan(cfg: ZImageConfig, free_bytes: int, width: int, height: int, batch: int = 1,
          storage=torch.bfloat16, dtype=torch.bfloat16, compute_copy_ratio: float | None = None,
-         host_room: int | None = None, file_copy: float | None = None) -> Plan:
+         host_room: int | None = None, file_copy: float | None = None, compress: bool = False) -> Plan:
     """The split for ``free_bytes`` of device memory; ``host_room``: host bytes the streamed layers'
     masters may take (None: as many as they need). With ``file_copy`` (a layer's upload from the
     page cache through the staging ring, over one from a pinned master) only the streamed layers
     whose masters buy time are pinned: pinned memory is RAM that nothing else can use, while the
-    page cache gives way when the machine needs it."""
-    layer = PackLayout(cfg, storage).nbytes
+    page cache gives way when the machine needs it. ``compress``: bf16 masters are stored
+    compressed (``compression``), fewer bytes in host memory and over the bus for a little device
+    memory; the decode runs on the device beside the compute and is not counted."""
+    packed = PackLayout(cfg, storage)
+    layer = packed.nbytes
+    compress = compress and storage == torch.bfloat16
+    master = compression.bound(packed.numel) if compress else layer
+    master_copy = master / layer  # a master's upload, in plain uploads
     fixed = cfg.fixed_params() * dtype.itemsize
     act = activation_bytes(cfg, width, height, batch, dtype=dtype, storage=storage)
-    room = free_bytes - fixed - act - RESERVE
+    room = free_bytes - fixed - act - RESERVE - (CODEC_BYTES if compress else 0)
     n = cfg.n_blocks
     if room >= n * layer:
         r, k = n, 0
@@ -304,22 +315,22 @@ def plan(cfg: ZImageConfig, free_bytes: int, width: int, height: int, batch: int
         else:
             costs = [c * compute_copy_ratio for c in block_costs(cfg, width, height, batch)]
             before = 0.25 * compute_copy_ratio  # embedders, final layer and sampler, in layers' worth
-            r, k = min(options, key=lambda o: (round(simulate_step(n, o[0], o[1], costs, 1.0, before), 3), -o[0]))
+            r, k = min(options, key=lambda o: (round(simulate_step(n, o[0], o[1], costs, master_copy, before), 3), -o[0]))
         k = min(k, n - r)
     fits = room >= layer or (room >= 0 and n == 0)
     streamed = n - r
     needed = streamed
     if fits and streamed and compute_copy_ratio is not None and file_copy is not None:
-        needed = pinned_needed(n, r, k, costs, before, file_copy)
+        needed = pinned_needed(n, r, k, costs, before, file_copy, master_copy)
 
     def need(w, h):  # the least a size needs: everything streamed through one slot
         return fixed + activation_bytes(cfg, w, h, batch, dtype=dtype, storage=storage) + RESERVE + (layer if n else 0)
 
     if not fits:
         streamed = needed = n
-    pinned = min(needed, _pinned_layers(streamed, host_room, layer))
+    pinned = min(needed, _pinned_layers(streamed, host_room, master))
     return Plan(width, height, batch, free_bytes, r if fits else 0, streamed, k if fits else 0,
-                layer, fixed, act, fixed + act + (r + k) * layer if fits else 0, pinned * layer, fits,
+                layer, fixed, act, fixed + act + (r + k) * layer if fits else 0, pinned * master, fits,
                 needed_bytes=need(width, height),
                 largest_fitting=None if fits else _largest_fitting(width, height, lambda w, h: need(w, h) <= free_bytes),
-                pinned_layers=pinned, file_layers=streamed - pinned, ram_short=needed - pinned)
+                pinned_layers=pinned, file_layers=streamed - pinned, ram_short=needed - pinned, master_bytes=master)

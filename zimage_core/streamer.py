@@ -36,6 +36,7 @@ import math
 import torch
 from torch.utils.hooks import RemovableHandle
 
+from . import compression
 from .config import ZImageConfig
 from .errors import NonFiniteWeights
 from .host_memory import HostPool, advise_mapped
@@ -161,7 +162,7 @@ def device_of(device) -> torch.device:
 
 class LayerStreamer:
     def __init__(self, layout: PackLayout, sources: list, device, pool: HostPool, check_finite=False,
-                 masters=True, pinned_sources=False):
+                 masters=True, pinned_sources=False, compress=False):
         """``sources[i]`` is layer i's {name: [(row, tensor or StoredTensor)]} pieces. With
         ``check_finite`` every layer's matrices are checked for NaN and infinity the first time they
         run (on the device, read back once at the end of that forward: ``NonFiniteWeights``).
@@ -169,9 +170,12 @@ class LayerStreamer:
         every upload reads the source through the staging buffers (a model uploaded once per
         run, whose owner already holds its weights in host memory). ``pinned_sources``: the sources
         are tensors locked in place (``HostPool.pin_in_place``), uploaded straight from where they
-        are, with no master and no staging."""
+        are, with no master and no staging. ``compress``: bf16 masters are stored compressed
+        (``compression``: about 0.75 of the bytes, in host memory and over the bus) and decoded into
+        their slot on the device, bit for bit."""
         self.layout, self.device, self.pool = layout, device_of(device), pool
         self.pinned_sources = pinned_sources
+        self.compress = compress and masters and layout.dtype == torch.bfloat16
         self.cuda = self.device.type == "cuda"
         self.n_layers = len(sources)
         self.sources = sources
@@ -179,11 +183,17 @@ class LayerStreamer:
         self.from_file = 0                     # streamed layers left without a master (``configure``)
         self.order = residency_order(self.n_layers)
         self.host = [None] * self.n_layers      # packed host masters (pinned where possible)
+        self.codes = [None] * self.n_layers     # the chunks of the masters stored compressed
         self.resident = {}                     # layer -> packed device buffer
         self.streamed = list(range(self.n_layers))  # the other layers, in the order they run
         self._index = {i: j for j, i in enumerate(self.streamed)}  # layer -> its place in streamed
         self.slots = []
         self.copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
+        # compressed uploads: a chunk's bytes cross on the copy stream into one of two device buffers
+        # while the previous chunk is decoded into the slot on this stream
+        self.decode_stream = torch.cuda.Stream(self.device) if self.cuda and self.compress else None
+        self._packed = []                      # [device buffer, event of the last decode from it]
+        self._packed_next = 0
         self._ready, self._free = [], []
         # streamed layers are counted across forwards: position ``_base + j`` is the current
         # forward's j-th streamed layer and uses slot position % slots; uploads are queued up to
@@ -202,8 +212,28 @@ class LayerStreamer:
 
     # -- host side -------------------------------------------------------------------------
 
+    @property
+    def master_bytes(self) -> int:
+        """Host bytes of one master (a compressed one is sized for the most exceptions it may hold)."""
+        return compression.bound(self.layout.numel) if self.compress else self.layout.nbytes
+
     def _make_master(self, i) -> bool:
-        """Pack layer i into a master from the pool, if it has room."""
+        """Pack layer i into a master from the pool, if it has room: compressed where the streamer
+        compresses and the layer's weights allow it, else plain."""
+        if self.compress:
+            buf = self.pool.allocate(self.master_bytes, torch.uint8)
+            if buf is None:
+                return False
+            try:
+                codes = self._encode(i, buf)
+            except BaseException:  # an interrupt or a file that changed: no half-filled master stays
+                self.pool.free(buf)
+                raise
+            if codes is not None:
+                self.host[i], self.codes[i] = buf, codes
+                self.layout.drop(self.sources[i])
+                return True
+            self.pool.free(buf)  # too many exceptions for the bound: a plain master
         buf = self.pool.allocate(self.layout.numel, self.layout.dtype)
         if buf is None:
             return False
@@ -216,9 +246,41 @@ class LayerStreamer:
         self.layout.drop(self.sources[i])
         return True
 
+    def _encode(self, i, buf) -> tuple | None:
+        """Layer i compressed into ``buf``, a chunk at a time: read from its source into a staging
+        buffer, encoded on the device (a CPU takes seconds a layer), the bytes copied back. The
+        chunks, or None where one has more exceptions than the master was sized for."""
+        self._make_staging()
+        host, done = self._staging[0]
+        if done is not None:
+            done.synchronize()  # its last upload has left it
+        chunks, offset = [], 0
+        for start, n in compression.pieces(self.layout.numel):
+            part = host[:n].zero_()  # the gaps between matrices too: garbage there would be exceptions
+            self.layout.fill(part, self.sources[i], start)
+            base, n_exc, packed = compression.encode(part.to(self.device))
+            if n_exc > compression.max_exceptions(n):
+                return None
+            buf[offset:offset + packed.numel()].copy_(packed)
+            chunks.append(compression.Chunk(start, n, offset, n_exc, base))
+            offset += packed.numel()
+        return tuple(chunks)
+
+    def _plain(self, i):
+        """Layer i's compressed master, decoded into a plain one (a patch writes into it)."""
+        self.synchronize()  # no upload reads the compressed master any more
+        buf = self.pool.allocate(self.layout.numel, self.layout.dtype)
+        if buf is None:
+            buf = torch.empty(self.layout.numel, dtype=self.layout.dtype)
+        compression.decode_all(self.codes[i], self.host[i], buf)
+        self.pool.free(self.host[i])
+        self.host[i], self.codes[i] = buf, None
+
     def ensure_host(self, i):
-        """A packed host master for layer i even past the budget (then pageable memory): a
+        """A plain packed host master for layer i even past the budget (then pageable memory): a
         patched layer cannot be re-read from its source."""
+        if self.codes[i] is not None:
+            self._plain(i)
         if self.host[i] is None and not self._make_master(i):
             buf = torch.empty(self.layout.numel, dtype=self.layout.dtype)
             self.layout.fill(buf, self.sources[i])
@@ -238,12 +300,39 @@ class LayerStreamer:
         has room."""
         if self.host[i] is None and master and self.masters and self.master_layers < self.n_streamed - self.from_file:
             self._make_master(i)
-        if self.host[i] is not None:
+        if self.codes[i] is not None:
+            self._decode(i, dst)
+        elif self.host[i] is not None:
             dst.copy_(self.host[i], non_blocking=self.cuda)
         elif self.pinned_sources or not (self.cuda or master):  # (on the CPU: a resident layer's buffer is its host copy)
             self.layout.fill(dst, self.sources[i], pinned=self.pinned_sources)
         else:
             self._stage(i, dst)
+
+    def _decode(self, i, dst):
+        """Layer i from its compressed master into ``dst``: on a GPU each chunk's bytes cross into
+        one of two device buffers on the copy stream and are decoded on the decode stream, so the
+        next chunk crosses while this one is decoded; the copy stream then waits for the last
+        decode, so what is queued on it next (the slot's ready event) comes after."""
+        if not self.cuda:
+            compression.decode_all(self.codes[i], self.host[i], dst)
+            return
+        if not self._packed:
+            size = compression.compressed_bytes(compression.CHUNK, compression.max_exceptions(compression.CHUNK))
+            self._packed = [[torch.empty(size, dtype=torch.uint8, device=self.device), torch.cuda.Event()]
+                            for _ in range(2)]
+        for c in self.codes[i]:
+            packed, decoded = self._packed[self._packed_next]
+            self._packed_next ^= 1
+            self.copy_stream.wait_event(decoded)  # the decode from this buffer has finished
+            packed[:c.nbytes].copy_(self.host[i][c.offset:c.offset + c.nbytes], non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record(self.copy_stream)
+            self.decode_stream.wait_event(copied)
+            with torch.cuda.stream(self.decode_stream):
+                compression.decode(packed[:c.nbytes], c, dst[c.start:c.start + c.numel])
+            decoded.record(self.decode_stream)
+        self.copy_stream.wait_event(decoded)
 
     def staging_due(self) -> int:
         """Host bytes the staging ring takes when it is made (0 once it is)."""
@@ -331,7 +420,7 @@ class LayerStreamer:
                 self._free.append(torch.cuda.Event())
         promote = sorted(keep - self.resident.keys())
         for i in promote:
-            if not self.cuda and self.host[i] is not None:
+            if not self.cuda and self.host[i] is not None and self.codes[i] is None:
                 self.resident[i] = self.host[i]  # on the CPU the host master is the layer: no second copy
                 continue
             self._read_ahead(i)
@@ -367,6 +456,8 @@ class LayerStreamer:
         self._ready.clear(), self._free.clear()
         self.drop_queued()
         self.host = [None] * self.n_layers
+        self.codes = [None] * self.n_layers
+        self._packed = []
         self._staging, self._stage_next = [], 0
         self.pool.release_all()
 

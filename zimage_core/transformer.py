@@ -47,6 +47,7 @@ class Settings:
     leave_free: int = 0               # bytes of device memory the plan leaves to others
     pinned_cap: int | None = None     # host bytes this model may hold, beside the process-wide budget
     device_budget: int | None = None  # plan and run as if the device had this many bytes (tests, simulations)
+    compress: bool = False            # bf16 masters stored compressed: fewer bytes in RAM and over the bus
 
 
 class ZImageTransformer(torch.nn.Module):
@@ -104,7 +105,7 @@ class ZImageTransformer(torch.nn.Module):
             layout = PackLayout(cfg, storage)
             pool = HostPool("transformer", pin=dev.type == "cuda", cap_bytes=settings.pinned_cap)
             streamer = LayerStreamer(layout, [_layer_pieces(ckpt, f"{name}.") for name in cfg.block_names()],
-                                     dev, pool, check_finite=True)
+                                     dev, pool, check_finite=True, compress=settings.compress)
             # the never-streamed tensors (embedders, norms, adaLN, final layer): placed on the device
             # while it computes, from one host master per dtype
             fixed = DeviceCopies(module_tensors(model), dev, pool)
@@ -192,7 +193,8 @@ class ZImageTransformer(torch.nn.Module):
             self._ratio[tokens] = self._measure_ratio(tokens)
         ratio, file_copy = self._ratio.get(tokens, (None, None))
         p = planner.plan(self.cfg, free, width, height, batch, storage=self.storage_dtype, dtype=self.dtype,
-                         compute_copy_ratio=ratio, host_room=self.host_room(), file_copy=file_copy)
+                         compute_copy_ratio=ratio, host_room=self.host_room(), file_copy=file_copy,
+                         compress=self.streamer.compress)
         cap = self.settings.max_resident
         if cap is not None and p.fits and p.resident_layers > cap:
             p.force(cap, self.host_room())
@@ -204,7 +206,7 @@ class ZImageTransformer(torch.nn.Module):
         s = self.streamer
         if not s.cuda:
             return None
-        return s.master_layers * s.layout.nbytes + max(0, s.pool.room() - s.staging_due())
+        return s.master_layers * s.master_bytes + max(0, s.pool.room() - s.staging_due())
 
     def prepare(self, width, height, batch=1, resident_layers=None, free_bytes=None) -> planner.Plan:
         """Set the split for an image of this size: planned, or forced to ``resident_layers``."""
@@ -221,7 +223,7 @@ class ZImageTransformer(torch.nn.Module):
         if self.streamer.cuda:
             # the pinned masters, the staging buffers and the fixed part: what the host budget keeps
             # for this model however the text encoder's pools come first
-            host_memory.BUDGET.claim("transformer", self.fixed_bytes + p.pinned_layers * p.layer_bytes
+            host_memory.BUDGET.claim("transformer", self.fixed_bytes + p.pinned_host_bytes
                                      + staging_bytes(self.streamer.layout))
         self._announce()
         self._warn_host(p)
