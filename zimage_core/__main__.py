@@ -93,7 +93,7 @@ def _plan(a):
     ram = int(a.ram_gib * GiB) if a.ram_gib is not None else host_memory.available_ram()
     host = None if ram is None else planner.host_room(FULL, ram, storage=storage)
     p = planner.plan(FULL, free, a.width, a.height, a.batch, storage=storage,
-                     host_room=None if host is None else host.layers)
+                     host_room=None if host is None else host.layers, compress=a.compress)
     if a.json:
         print(json.dumps(dict(p.as_dict(), host=None if host is None else host.as_dict())))
     else:
@@ -106,7 +106,8 @@ def _plan(a):
         print(f"  activation estimate  {g(p.activation_bytes)}")
         print(f"  fixed part           {g(p.fixed_bytes)}")
         print(f"  device bytes         {g(p.device_bytes)}")
-        print(f"  pinned host bytes    {g(p.pinned_host_bytes)} (the streamed layers)")
+        print(f"  pinned host bytes    {g(p.pinned_host_bytes)} (the streamed layers"
+              f"{', compressed' if p.master_bytes < p.layer_bytes else ''})")
         if host is not None:
             print(f"  host RAM available   {g(host.available)}: ComfyUI keeps {g(host.headroom)} free, a run "
                   f"needs {g(host.working)}, staging and fixed part {g(host.fixed)}")
@@ -133,6 +134,8 @@ def main(argv=None):
                    help=f"images made at once, 1 to {MAX_BATCH} (default 1)")
     p.add_argument("--ram-gib", type=gib(), help="host RAM available, in GiB (default: measured)")
     p.add_argument("--fp8", action="store_true", help="plan for an fp8 e4m3fn checkpoint")
+    p.add_argument("--compress", action="store_true",
+                   help="with the streamed layers' masters stored compressed (ZIMAGE_COMPRESSION=on)")
     p.add_argument("--json", action="store_true", help="print the plan as one JSON object")
     p.set_defaults(fn=_plan)
     run(ap, argv)
