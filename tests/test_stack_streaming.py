@@ -2,6 +2,8 @@
 through slots from its own tensors (``StreamedStack``: a text encoder): same output as the model
 run whole, and every weight held in host memory once (a tensor that gets a master is pointed at
 it; a streamed layer has none)."""
+import os
+
 import pytest
 import torch
 
@@ -206,6 +208,10 @@ def test_file_mapped_tensors_are_viewed_in_a_shared_mapping(tmp_path):
     assert _file_views([torch.empty(1 << 20)]) is None  # ordinary memory is never locked in place
     # nor a private mapping that could have been written: its pages may not be the file's
     assert _file_views(list(mapped_state_dict(enc, tmp_path / "w.safetensors", writable=True).values())) is None
+    # nor a file whose name now stands for another one (a new download put in its place)
+    (tmp_path / "new.safetensors").write_bytes((tmp_path / "enc.safetensors").read_bytes())
+    os.replace(tmp_path / "new.safetensors", tmp_path / "enc.safetensors")
+    assert _file_views(list(sd.values())) is None
     assert HostPool(pin=False).pin_in_place(list(sd.values())) is None  # nothing to lock without CUDA
 
 

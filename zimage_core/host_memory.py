@@ -210,7 +210,7 @@ def _page_spans(tensors) -> list:
 
 
 def _file_maps() -> list:
-    """[(start, stop, file offset, path)] of this process's mappings of files that hold the file's
+    """[(start, stop, file offset, path, inode)] of this process's mappings of files that hold the file's
     bytes (shared, or private and read-only), adjacent pieces of one mapping joined (Linux:
     /proc/self/maps; [] elsewhere)."""
     maps = []
@@ -224,11 +224,12 @@ def _file_maps() -> list:
                 if path.endswith(" (deleted)") or ("w" in perms and perms[3] == "p"):
                     continue  # gone from the disk, or private pages that may have been written
                 lo, hi = (int(x, 16) for x in fields[0].split("-"))
-                offset = int(fields[2], 16)
-                if maps and maps[-1][1] == lo and maps[-1][3] == path and maps[-1][2] + (lo - maps[-1][0]) == offset:
-                    maps[-1][1] = hi
+                offset, inode = int(fields[2], 16), int(fields[4])
+                last = maps[-1] if maps else None
+                if last and last[1] == lo and last[3:] == [path, inode] and last[2] + (lo - last[0]) == offset:
+                    last[1] = hi
                 else:
-                    maps.append([lo, hi, offset, path])
+                    maps.append([lo, hi, offset, path, inode])
     except OSError:
         return []
     return maps
@@ -248,12 +249,14 @@ def _file_views(tensors) -> list | None:
         m = next((m for m in maps if m[0] <= p and p + t.nbytes <= m[1]), None)
         if m is None or t.is_meta or not t.is_contiguous():
             return None
-        where.append((m[3], m[2] + p - m[0]))
+        where.append((m[3], m[4], m[2] + p - m[0]))
     files, views = {}, []
     try:
-        for t, (path, offset) in zip(tensors, where):
+        for t, (path, inode, offset) in zip(tensors, where):
             if path not in files:
                 with open(path, "rb") as f:
+                    if os.fstat(f.fileno()).st_ino != inode:
+                        return None  # the path names another file now (a new download)
                     files[path] = torch.frombuffer(mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ), dtype=torch.uint8)
             views.append(files[path][offset:offset + t.nbytes].view(t.dtype).view(t.shape))
     except (OSError, ValueError, RuntimeError):  # unreadable now, or an offset the dtype cannot view
