@@ -217,15 +217,16 @@ class LayerStreamer:
         """Host bytes of one master (a compressed one is sized for the most exceptions it may hold)."""
         return compression.bound(self.layout.numel) if self.compress else self.layout.nbytes
 
-    def _make_master(self, i) -> bool:
+    def _make_master(self, i, dst=None) -> bool:
         """Pack layer i into a master from the pool, if it has room: compressed where the streamer
-        compresses and the layer's weights allow it, else plain."""
+        compresses and the layer's weights allow it (then ``dst``, where given, holds the layer
+        too: it was encoded from there), else plain."""
         if self.compress:
             buf = self.pool.allocate(self.master_bytes, torch.uint8)
             if buf is None:
                 return False
             try:
-                codes = self._encode(i, buf)
+                codes = self._encode(i, buf, dst)
             except BaseException:  # an interrupt or a file that changed: no half-filled master stays
                 self.pool.free(buf)
                 raise
@@ -246,10 +247,11 @@ class LayerStreamer:
         self.layout.drop(self.sources[i])
         return True
 
-    def _encode(self, i, buf) -> tuple | None:
+    def _encode(self, i, buf, dst=None) -> tuple | None:
         """Layer i compressed into ``buf``, a chunk at a time: read from its source into a staging
-        buffer, encoded on the device (a CPU takes seconds a layer), the bytes copied back. The
-        chunks, or None where one has more exceptions than the master was sized for."""
+        buffer, copied to the device (into ``dst`` where given, which then holds the layer), encoded
+        there (a CPU takes seconds a layer), the bytes copied back. The chunks, or None where one
+        has more exceptions than the master was sized for."""
         self._make_staging()
         host, done = self._staging[0]
         if done is not None:
@@ -258,7 +260,8 @@ class LayerStreamer:
         for start, n in compression.pieces(self.layout.numel):
             part = host[:n].zero_()  # the gaps between matrices too: garbage there would be exceptions
             self.layout.fill(part, self.sources[i], start)
-            base, n_exc, packed = compression.encode(part.to(self.device))
+            on_device = part.to(self.device) if dst is None else dst[start:start + n].copy_(part)
+            base, n_exc, packed = compression.encode(on_device)
             if n_exc > compression.max_exceptions(n):
                 return None
             buf[offset:offset + packed.numel()].copy_(packed)
@@ -299,7 +302,8 @@ class LayerStreamer:
         ``master`` (a streamed layer) the layer first gets a master if it keeps them and the pool
         has room."""
         if self.host[i] is None and master and self.masters and self.master_layers < self.n_streamed - self.from_file:
-            self._make_master(i)
+            if self._make_master(i, dst) and self.codes[i] is not None:
+                return  # encoded from ``dst``, which holds the layer already
         if self.codes[i] is not None:
             self._decode(i, dst)
         elif self.host[i] is not None:
