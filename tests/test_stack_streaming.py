@@ -182,6 +182,8 @@ def mapped_state_dict(module, path, writable=False):
     import warnings
 
     from safetensors.torch import save_file
+
+    from zimage_core.safetensors_file import DTYPES
     save_file({k: v.contiguous() for k, v in module.state_dict().items()}, str(path))
     with open(path, "rb") as f:
         mapped = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_PRIVATE,
@@ -189,11 +191,10 @@ def mapped_state_dict(module, path, writable=False):
     (n,) = struct.unpack("<Q", mapped[:8])
     header = json.loads(mapped[8:8 + n])
     header.pop("__metadata__", None)
-    dtypes = {"F32": torch.float32, "BF16": torch.bfloat16}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the buffer is read-only by design
         data = torch.frombuffer(mapped, dtype=torch.uint8)[8 + n:]
-    return {k: data[e["data_offsets"][0]:e["data_offsets"][1]].view(dtypes[e["dtype"]]).view(e["shape"])
+    return {k: data[e["data_offsets"][0]:e["data_offsets"][1]].view(DTYPES[e["dtype"]]).view(e["shape"])
             for k, e in header.items()}
 
 
