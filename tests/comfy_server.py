@@ -84,7 +84,7 @@ def transformer_weights():
     import torch
 
     key = _digest(*(os.path.join(ROOT, f) for f in ("tools/random_weights.py", "zimage_core/checkpoint.py",
-                                                     "zimage_core/config.py")))
+                                                     "zimage_core/config.py", "tests/comfy_server.py")))
     folder = os.path.join(cache_root(), f"transformer-{key}")
     path = os.path.join(folder, UNET)
     with _locked(folder):
