@@ -165,6 +165,11 @@ def test_compressed_masters_take_less_host_memory_and_bus_time():
     costs = [0.7] * n
     assert (simulate_step(n, packed.resident_layers, packed.slots, costs, packed.master_bytes / packed.layer_bytes, 0.2)
             < simulate_step(n, plain.resident_layers, plain.slots, costs, 1.0, 0.2))
+    # the decode counts as compute beside each streamed layer: a slow one takes the gain back
+    slow = plan(FULL, int(5.5 * GiB), 1024, 1024, compute_copy_ratio=0.7, compress=True, decode=0.5)
+    assert (simulate_step(n, slow.resident_layers, slow.slots, costs, slow.master_bytes / slow.layer_bytes, 0.2, decode=0.5)
+            > simulate_step(n, plain.resident_layers, plain.slots, costs, 1.0, 0.2))
+    assert plan(FULL, int(5.5 * GiB), 1024, 1024, compute_copy_ratio=0.7, decode=0.5) == plain  # only with compress
     fp8 = plan(FULL, int(5.5 * GiB), 1024, 1024, storage=torch.float8_e4m3fn, compress=True)
     assert fp8.master_bytes == fp8.layer_bytes  # bf16 layers only
 

@@ -223,20 +223,23 @@ def stack_resident(n_layers: int, layer_bytes: int, free_bytes: int, cap: int | 
     return min(n_layers if fits else 0, n_layers if cap is None else cap)
 
 
-def simulate_step(n_layers, resident, slots, compute, copy, fixed=0.0, steps=8) -> float:
+def simulate_step(n_layers, resident, slots, compute, copy, fixed=0.0, steps=8, decode=0.0) -> float:
     """Mean time of one of ``steps`` consecutive steps with ``resident`` layers resident (spread
     as the streamer spreads them). ``compute`` is one layer's compute time, or a list of each
     layer's; ``copy`` one streamed layer's upload time, or a list of each streamed layer's in the
     order they run. Each step computes ``fixed`` (embedders, final layer, sampler: no streamed weights),
     then the layers in order, a streamed one only once its upload is done. Uploads run in order on
     one copy stream, each into the slot its previous user has finished with; the first step's
-    start with it, and every step queues the next one's first uploads behind its last layers."""
+    start with it, and every step queues the next one's first uploads behind its last layers.
+    ``decode``: a streamed layer's decode on the device (a compressed master), or a list of each
+    one's, counted as compute beside the layer (it takes the same SMs)."""
     costs = compute if isinstance(compute, (list, tuple)) else [compute] * n_layers
     keep = set(residency_order(n_layers)[:resident])
     streamed = n_layers - len(keep)
     if not streamed:
         return fixed + sum(costs)
     copies = copy if isinstance(copy, (list, tuple)) else [copy] * streamed
+    decodes = decode if isinstance(decode, (list, tuple)) else [decode] * streamed
     k = max(min(slots, streamed), 1)
     free, ready, copy_end = [0.0] * k, {}, 0.0
 
@@ -256,7 +259,7 @@ def simulate_step(n_layers, resident, slots, compute, copy, fixed=0.0, steps=8) 
                 t += costs[i]
                 continue
             pos = f * streamed + j
-            t = max(t, ready[pos]) + costs[i]
+            t = max(t, ready[pos]) + costs[i] + decodes[pos % streamed]
             free[pos % k] = t
             if j + k < streamed or f + 1 < steps:
                 upload(pos + k)
@@ -272,35 +275,41 @@ def block_costs(cfg: ZImageConfig, width, height, batch=1, cap_tokens=512) -> li
     return [cap / (img + cap)] * r + [img / (img + cap)] * r + [1.0] * cfg.n_layers
 
 
-def pinned_needed(n_layers, resident, slots, costs, fixed, file_copy: float, master_copy: float = 1.0) -> int:
+def pinned_needed(n_layers, resident, slots, costs, fixed, file_copy: float, master_copy: float = 1.0,
+                  decode: float = 0.0) -> int:
     """The fewest streamed layers that need pinned masters for a step to take no longer (within 1%)
     than with every one pinned, the others read from the page cache at ``file_copy`` times a
-    plain pinned upload (a master's upload takes ``master_copy`` of that: less where it is
-    compressed). Masters are made at first upload, so the pinned ones are the first to run."""
+    plain pinned upload (a master's upload takes ``master_copy`` of that, and ``decode`` on the
+    device, where it is compressed). Masters are made at first upload, so the pinned ones are the
+    first to run."""
     streamed = n_layers - resident
-    best = simulate_step(n_layers, resident, slots, costs, master_copy, fixed)
+    best = simulate_step(n_layers, resident, slots, costs, master_copy, fixed, decode=decode)
     for pinned in range(streamed):
         copy = [master_copy] * pinned + [file_copy] * (streamed - pinned)
-        if simulate_step(n_layers, resident, slots, costs, copy, fixed) <= best * 1.01:
+        decodes = [decode] * pinned + [0.0] * (streamed - pinned)
+        if simulate_step(n_layers, resident, slots, costs, copy, fixed, decode=decodes) <= best * 1.01:
             return pinned
     return streamed
 
 
 def plan(cfg: ZImageConfig, free_bytes: int, width: int, height: int, batch: int = 1,
          storage=torch.bfloat16, dtype=torch.bfloat16, compute_copy_ratio: float | None = None,
-         host_room: int | None = None, file_copy: float | None = None, compress: bool = False) -> Plan:
+         host_room: int | None = None, file_copy: float | None = None, compress: bool = False,
+         decode: float = 0.0) -> Plan:
     """The split for ``free_bytes`` of device memory; ``host_room``: host bytes the streamed layers'
     masters may take (None: as many as they need). With ``file_copy`` (a layer's upload from the
     page cache through the staging ring, over one from a pinned master) only the streamed layers
     whose masters buy time are pinned: pinned memory is RAM that nothing else can use, while the
     page cache gives way when the machine needs it. ``compress``: bf16 masters are stored
     compressed (``compression``), fewer bytes in host memory and over the bus for a little device
-    memory; the decode runs on the device beside the compute and is not counted."""
+    memory and ``decode`` (a layer's decode on the device, in plain uploads of a layer, counted as
+    compute beside each streamed layer: ``compute_copy_ratio`` is in the same unit)."""
     packed = PackLayout(cfg, storage)
     layer = packed.nbytes
     compress = compress and storage == torch.bfloat16
     master = compression.bound(packed.numel) if compress else layer
     master_copy = master / layer  # a master's upload, in plain uploads
+    decode = decode if compress else 0.0
     fixed = cfg.fixed_params() * dtype.itemsize
     act = activation_bytes(cfg, width, height, batch, dtype=dtype, storage=storage)
     room = free_bytes - fixed - act - RESERVE - (CODEC_BYTES if compress else 0)
@@ -315,13 +324,14 @@ def plan(cfg: ZImageConfig, free_bytes: int, width: int, height: int, batch: int
         else:
             costs = [c * compute_copy_ratio for c in block_costs(cfg, width, height, batch)]
             before = 0.25 * compute_copy_ratio  # embedders, final layer and sampler, in layers' worth
-            r, k = min(options, key=lambda o: (round(simulate_step(n, o[0], o[1], costs, master_copy, before), 3), -o[0]))
+            r, k = min(options, key=lambda o: (round(simulate_step(n, o[0], o[1], costs, master_copy, before,
+                                                                   decode=decode), 3), -o[0]))
         k = min(k, n - r)
     fits = room >= layer or (room >= 0 and n == 0)
     streamed = n - r
     needed = streamed
     if fits and streamed and compute_copy_ratio is not None and file_copy is not None:
-        needed = pinned_needed(n, r, k, costs, before, file_copy, master_copy)
+        needed = pinned_needed(n, r, k, costs, before, file_copy, master_copy, decode)
 
     def need(w, h):  # the least a size needs: everything streamed through one slot
         return fixed + activation_bytes(cfg, w, h, batch, dtype=dtype, storage=storage) + RESERVE + (layer if n else 0)

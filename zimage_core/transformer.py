@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import planner
+from . import compression, planner
 from .checkpoint import Checkpoint
 from .config import BIG_KEYS, ZImageConfig
 from .errors import CheckpointError, NonFiniteWeights, OutOfDeviceMemory, ZImageError
@@ -67,7 +67,7 @@ class ZImageTransformer(torch.nn.Module):
         self._warned = None                   # (file layers, streamed layers) last warned about
         self.patches_uuid = None              # id of the weight-patch set (LoRA) now in the weights
         self.patched_keys: set = set()        # canonical keys that set changed (prefixed as patched)
-        self._ratio = {}                      # tokens -> (compute/copy time ratio, page-cache/pinned upload time)
+        self._ratio = {}                      # tokens -> (compute/copy ratio, page-cache/pinned upload, decode/upload)
         self._fixed_checked = False           # the fixed part's values were checked where they run
         self.check_interrupt = check_interrupt or (lambda: None)
         model.runner = streamer
@@ -191,10 +191,10 @@ class ZImageTransformer(torch.nn.Module):
         tokens = self.cfg.image_tokens(width, height) * batch
         if tokens not in self._ratio and self.device.type == "cuda":
             self._ratio[tokens] = self._measure_ratio(tokens)
-        ratio, file_copy = self._ratio.get(tokens, (None, None))
+        ratio, file_copy, decode = self._ratio.get(tokens, (None, None, 0.0))
         p = planner.plan(self.cfg, free, width, height, batch, storage=self.storage_dtype, dtype=self.dtype,
                          compute_copy_ratio=ratio, host_room=self.host_room(), file_copy=file_copy,
-                         compress=self.streamer.compress)
+                         compress=self.streamer.compress, decode=decode)
         cap = self.settings.max_resident
         if cap is not None and p.fits and p.resident_layers > cap:
             p.force(cap, self.host_room())
@@ -377,10 +377,12 @@ class ZImageTransformer(torch.nn.Module):
 
     def _measure_ratio(self, tokens) -> tuple:
         """Compute time of one layer over upload time of one layer: a matmul and an upload timed on
-        this device, the rest is the planner's model. And a layer's upload from the file through
+        this device, the rest is the planner's model. A layer's upload from the file through
         the staging ring over one from a pinned master: a chunk read into the staging buffer (from
         the page cache, or the disk where it is not cached: then more layers are pinned), each
-        chunk's read overlapping the previous chunk's upload (None once every layer has a master)."""
+        chunk's read overlapping the previous chunk's upload (None once every layer has a master).
+        And, where masters are compressed, a layer's decode over its upload (a chunk of the
+        matmul's random weights, encoded and decoded here)."""
         cfg = self.cfg
         dev = self.device
         x = torch.randn(tokens + 512, cfg.dim, device=dev, dtype=self.dtype)
@@ -403,13 +405,29 @@ class ZImageTransformer(torch.nn.Module):
         upload_s = ev[2].elapsed_time(ev[3]) / 1e3
         ratio = planner.compute_copy_ratio(cfg, x.shape[0], rate, chunks * upload_s)
         s = self.streamer
+        decode = self._decode_s(w) / (chunks * upload_s) if s.compress else 0.0
         unpinned = [i for i in reversed(s.order) if s.host[i] is None]  # the last to become resident first
         if not unpinned:
-            return ratio, None
+            return ratio, None, decode
         s.layout.fill(host, s.sources[unpinned[0]])  # untimed: the first read may fault the pages in
         start = time.perf_counter()
         s.layout.fill(host, s.sources[unpinned[0]])
-        return ratio, max(1.0, (time.perf_counter() - start) / upload_s)
+        return ratio, max(1.0, (time.perf_counter() - start) / upload_s), decode
+
+    def _decode_s(self, w) -> float:
+        """Seconds this device takes to decode one compressed layer, from one chunk's decode."""
+        flat = w.reshape(-1)[:compression.CHUNK].to(torch.bfloat16) * 0.02
+        base, n_exc, packed = compression.encode(flat)
+        c = compression.Chunk(0, flat.numel(), 0, n_exc, base)
+        out = torch.empty_like(flat)
+        ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+        compression.decode(packed, c, out)  # untimed: the kernels' first launch
+        ev[0].record()
+        for _ in range(3):
+            compression.decode(packed, c, out)
+        ev[1].record()
+        ev[1].synchronize()
+        return ev[0].elapsed_time(ev[1]) / 3e3 * self.streamer.layout.numel / flat.numel()
 
     # -- running -----------------------------------------------------------------------------
 
