@@ -12,7 +12,9 @@ ae.safetensors. Per card, per pipeline: start the ballasts, start `main.py` on a
 temporary base directory (this repository linked into custom_nodes/, the weights linked into
 models/), post --images prompts (a new prompt text each, so the text encoder runs every time),
 stop the server, stop the ballasts. Time per image is the executor's own, from the history
-entry's execution_start to execution_success. Each server's log is kept; its path is printed.
+entry's execution_start to execution_success. Each server's log is kept; its path is printed. With
+--server-arg=--verbose --server-arg=DEBUG each image's row also says where the pack's time went
+(encode, decode, split set) and how much it evicted to make room for the other models.
 
 Simulated machine:
   --card GIB     leave GIB of GPU memory free (tools/ballast.py, needs torch+CUDA in --python);
@@ -54,6 +56,11 @@ PROMPTS = [
 ]
 PIN_RE = re.compile(r"Z-Image: pinned ([0-9.]+) GiB")
 ZLOAD_RE = re.compile(r"Z-Image: loading the transformer")
+# where an image's time goes (the pack's debug lines: --server-arg=--verbose --server-arg=DEBUG)
+PHASES = {"encode_s": re.compile(r"Z-Image: prompt encoded in ([0-9.]+) s"),
+          "decode_s": re.compile(r"Z-Image: decoded in ([0-9.]+) s"),
+          "split_s": re.compile(r"Z-Image: split set in ([0-9.]+) s")}
+EVICT_RE = re.compile(r"Z-Image: made room for another model: ([0-9.]+) GiB freed")
 COMFY_LOADS = {"requested": "Requested to load", "completely": "loaded completely", "partially": "loaded partially"}
 GIB = 2**30
 
@@ -176,7 +183,9 @@ class Server:
         self.offset += len(raw)
         text = raw.decode(errors="replace")
         pins = [float(g) for g in PIN_RE.findall(text)]
-        out = dict(pin_calls=len(pins), pinned_gib=sum(pins), zimage_loads=len(ZLOAD_RE.findall(text)))
+        out = dict(pin_calls=len(pins), pinned_gib=sum(pins), zimage_loads=len(ZLOAD_RE.findall(text)),
+                   evicted_gib=round(sum(float(g) for g in EVICT_RE.findall(text)), 2))
+        out.update({k: round(sum(float(g) for g in r.findall(text)), 3) for k, r in PHASES.items() if r.search(text)})
         out.update({f"comfy_{k}": text.count(v) for k, v in COMFY_LOADS.items()})
         return out
 
@@ -285,7 +294,9 @@ def one_server(a, base, pipeline, card, tag):
             rec["images"].append(row)
             print(f"{pipeline:8} card {card:>5} image {i + 1}: {sec:7.2f} s  RSS {anon:5.1f} + {file:5.1f} GiB  "
                   f"pins {row['pin_calls']} ({row['pinned_gib']:.1f} GiB)  loads: Z-Image {row['zimage_loads']}, "
-                  f"ComfyUI {row['comfy_requested']} requested", flush=True)
+                  f"ComfyUI {row['comfy_requested']} requested"
+                  + "".join(f"  {k[:-2]} {row[k]:.2f} s" for k in PHASES if k in row)
+                  + (f"  evicted {row['evicted_gib']:.2f} GiB" if row["evicted_gib"] else ""), flush=True)
         return rec
     finally:
         stop(server.proc if server else None)
