@@ -23,7 +23,7 @@ RUN_PY = os.path.join(ROOT, "workflows", "api", "run.py")
 BAD_ARGS = 2  # argparse's exit status
 
 
-TOOL_COMMANDS = ("bench", "random-weights")
+TOOL_COMMANDS = ("bench", "random-weights", "ratio")
 
 
 def main_for(argv):
@@ -76,6 +76,9 @@ def one_line(text):
     (["random-weights", "tests"], ["tests is a folder", "z_image_turbo_bf16.safetensors"]),
     (["random-weights", "x.ckpt"], [".safetensors"]),
     (["random-weights", "x.safetensors", "--layers", "0"], ["--layers", "give 1 to 64"]),
+    (["ratio", "--weights", "no_such_file.safetensors"], ["--weights", "no such file: no_such_file.safetensors"]),
+    (["ratio", "--weights", "README.md", "--layers", "0"], ["--layers", "give 1 to 64"]),
+    (["bench", "--weights", "README.md", "--compression", "maybe"], ["--compression", "invalid choice"]),
     (["plan", "--no-such-option"], ["unrecognized arguments"]),
     ([], ["required", "plan"]),
 ])
@@ -122,7 +125,9 @@ def test_help_texts(capsys):
                                    "print the plan as one JSON object"]),
                          ("bench", ["a Z-Image transformer .safetensors file", "image width in pixels",
                                     "one JSON object per line"]),
-                         ("random-weights", ["the .safetensors file to write", "main transformer layers"])):
+                         ("random-weights", ["the .safetensors file to write", "main transformer layers",
+                                             "N(0, 0.02) for every matrix"]),
+                         ("ratio", ["a Z-Image transformer .safetensors file", "only the first N layers"])):
         with pytest.raises(SystemExit) as e:
             main_for([cmd])([cmd, "--help"])
         assert e.value.code == 0

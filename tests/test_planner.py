@@ -72,7 +72,7 @@ def test_spread_resident_layers_need_fewer_slots_than_a_block():
 
 
 def _cli(*args):
-    package = "tools" if args[0] in ("bench", "random-weights") else "zimage_core"
+    package = "tools" if args[0] in ("bench", "random-weights", "ratio") else "zimage_core"
     return subprocess.run([sys.executable, "-m", package, *args], cwd=ROOT, capture_output=True,
                           text=True, timeout=120)
 
@@ -183,3 +183,15 @@ def test_bench_compares_compression_off_and_on_in_one_process(tiny_file):
     assert off["output_sha256"] == on["output_sha256"]
     assert on["compressed_layers"] == TINY.n_blocks - 1 and off["compressed_layers"] == 0
     assert on["streamed_bytes_per_step"] < 0.78 * off["streamed_bytes_per_step"]
+
+
+def test_ratio_command_reports_each_layer_and_the_whole(tmp_path):
+    from tools.random_weights import write_checkpoint
+    path = str(tmp_path / "tiny_bf16.safetensors")
+    write_checkpoint(path, TINY, dtype=torch.bfloat16)
+    r = _cli("ratio", "--weights", path, "--layers", "2")
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert len(lines) == 3 and lines[0].startswith("context_refiner.0")
+    whole = float(lines[-1].split(": ")[1].split()[0])
+    assert lines[-1].startswith("all 2 layers") and 0.7 < whole < 0.8
