@@ -158,10 +158,10 @@ def test_chunked_fill_equals_a_whole_fill(tiny_file, chunk):
     pieces and inside the fused matrices' rows) has the bits of a layer packed whole, from the file
     (partial reads, cast to bf16 on the way) and from tensors."""
     from zimage_core.checkpoint import Checkpoint
-    from zimage_core.transformer import _layer_pieces
+    from zimage_core.transformer import layer_pieces
     ck = Checkpoint(tiny_file)
     layout = PackLayout(TINY, torch.bfloat16)
-    from_file = _layer_pieces(ck, TINY.block_names()[1] + ".")
+    from_file = layer_pieces(ck, TINY.block_names()[1] + ".")
     from_tensors = {n: [(row, st.file.tensor(st.key)) for row, st in parts] for n, parts in from_file.items()}
     for pieces in (from_file, from_tensors):
         whole = torch.zeros(layout.numel, dtype=torch.bfloat16)

@@ -8,8 +8,8 @@ import torch
 
 from zimage_core import compression
 from zimage_core.checkpoint import Checkpoint
-from zimage_core.config import BIG_KEYS
 from zimage_core.streamer import PackLayout
+from zimage_core.transformer import layer_pieces
 
 
 def layer_ratio(flat: torch.Tensor) -> tuple:
@@ -35,7 +35,7 @@ def report(path, n_layers=None, device="cpu"):
         host = torch.empty(layout.numel, dtype=torch.bfloat16)
         total = raw = 0
         for name in names:
-            layout.fill(host, {n: ckpt.pieces(f"{name}.{k}.weight") for n, k in BIG_KEYS.items()})
+            layout.fill(host, layer_pieces(ckpt, f"{name}."))
             start = time.perf_counter()
             nbytes, n_exc = layer_ratio(host.to(device))
             total, raw = total + nbytes, raw + layout.nbytes
@@ -44,4 +44,3 @@ def report(path, n_layers=None, device="cpu"):
         print(f"all {len(names)} layers: {total / raw:.4f} of bf16 ({total / 2**30:.2f} of {raw / 2**30:.2f} GiB)")
     finally:
         ckpt.close()
-

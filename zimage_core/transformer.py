@@ -35,7 +35,8 @@ STORAGE_DTYPES = dict(COMPUTE_DTYPES, fp8_e4m3fn=torch.float8_e4m3fn)
 CPU_PIECE_FLOPS = 2e10
 
 
-def _layer_pieces(ckpt: Checkpoint, prefix: str) -> dict:
+def layer_pieces(ckpt: Checkpoint, prefix: str) -> dict:
+    """A block's five big matrices in ``ckpt``: {name: [(row, StoredTensor)]}, as a streamer reads them."""
     return {n: ckpt.pieces(f"{prefix}{k}.weight") for n, k in BIG_KEYS.items()}
 
 
@@ -104,7 +105,7 @@ class ZImageTransformer(torch.nn.Module):
             model.requires_grad_(False)  # inference only: no autograd graph keeps activations alive
             layout = PackLayout(cfg, storage)
             pool = HostPool("transformer", pin=dev.type == "cuda", cap_bytes=settings.pinned_cap)
-            streamer = LayerStreamer(layout, [_layer_pieces(ckpt, f"{name}.") for name in cfg.block_names()],
+            streamer = LayerStreamer(layout, [layer_pieces(ckpt, f"{name}.") for name in cfg.block_names()],
                                      dev, pool, check_finite=True, compress=settings.compress)
             # the never-streamed tensors (embedders, norms, adaLN, final layer): placed on the device
             # while it computes, from one host master per dtype
