@@ -141,17 +141,8 @@ def _decode_time(s, dev) -> float | None:
     i = next((i for i, c in enumerate(s.codes) if c), None)
     if i is None:
         return None
-    packed = s.host[i].to(dev)
     out = torch.empty(s.layout.numel, dtype=s.layout.dtype, device=dev)
-    times = []
-    for _ in range(5):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        compression.decode_all(s.codes[i], packed, out)
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
-    return statistics.median(times[1:])
+    return compression.decode_seconds(s.codes[i], s.host[i].to(dev), out, repeats=4)
 
 
 def _run(model, dev, width, height, steps, seed, resident_layers, resident, cap_tokens):

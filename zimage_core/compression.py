@@ -21,6 +21,7 @@ device that computes (a CPU takes seconds a layer).
 from __future__ import annotations
 
 import os
+import statistics
 from dataclasses import dataclass
 
 import torch
@@ -157,3 +158,18 @@ def encode_all(flat: torch.Tensor) -> tuple:
 def decode_all(chunks, packed: torch.Tensor, dst: torch.Tensor):
     for c in chunks:
         decode(packed[c.offset:c.offset + c.nbytes], c, dst[c.start:c.start + c.numel])
+
+
+def decode_seconds(chunks, packed: torch.Tensor, dst: torch.Tensor, repeats: int = 3) -> float:
+    """Seconds a CUDA device takes to decode ``chunks`` from ``packed`` into ``dst`` (both on it):
+    the median of ``repeats`` timed decodes after an untimed one (the kernels' first launch)."""
+    decode_all(chunks, packed, dst)
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        decode_all(chunks, packed, dst)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)

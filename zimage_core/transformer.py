@@ -418,17 +418,9 @@ class ZImageTransformer(torch.nn.Module):
     def _decode_s(self, w) -> float:
         """Seconds this device takes to decode one compressed layer, from one chunk's decode."""
         flat = w.reshape(-1)[:compression.CHUNK].to(torch.bfloat16) * 0.02
-        base, n_exc, packed = compression.encode(flat)
-        c = compression.Chunk(0, flat.numel(), 0, n_exc, base)
-        out = torch.empty_like(flat)
-        ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
-        compression.decode(packed, c, out)  # untimed: the kernels' first launch
-        ev[0].record()
-        for _ in range(3):
-            compression.decode(packed, c, out)
-        ev[1].record()
-        ev[1].synchronize()
-        return ev[0].elapsed_time(ev[1]) / 3e3 * self.streamer.layout.numel / flat.numel()
+        chunks, packed = compression.encode_all(flat)
+        seconds = compression.decode_seconds(chunks, packed, torch.empty_like(flat))
+        return seconds * self.streamer.layout.numel / flat.numel()
 
     # -- running -----------------------------------------------------------------------------
 
