@@ -7,9 +7,10 @@ available RAM must stay untouched (ComfyUI's RAM-cache headroom, below which Com
 dropping cached models), which owner expects to need how much soon (the transformer's streamed
 layers, claimed when it plans a split), and what every ``HostPool`` holds. A pool's allocation
 succeeds only within what is left. Where a model's loader has memory-mapped its file (ComfyUI's
-does), its weights are locked where they are instead (``pin_in_place``): pinned, and no copy. ``live_bytes()`` is the process-wide total, which the tests
-use to check that failures leave nothing behind, and ``pin_calls()`` counts buffers pinned,
-which the benchmarks use to show that nothing is pinned per image.
+does), its weights are locked where they are instead (``pin_in_place``): pinned, and no copy.
+``live_bytes()`` is the process-wide total, which the tests use to check that failures leave
+nothing behind, and ``pin_calls()`` counts buffers pinned, which the benchmarks use to show that
+nothing is pinned per image.
 """
 from __future__ import annotations
 
@@ -295,8 +296,12 @@ class HostPool:
         self._held = {}     # data_ptr -> bytes, what is counted (and registered)
         self._buffers = []  # the tensors, kept alive until released
         self._reported = (0, 0)
-        self.in_place = 0   # bytes of those locked where their owner keeps them (``pin_in_place``)
         weakref.finalize(self, _release, self._held, self.pin, owner)
+
+    @property
+    def in_place(self) -> int:
+        """Bytes of this pool's that are locked where their owner keeps them (``pin_in_place``)."""
+        return sum(nbytes for start, nbytes in self._held.items() if start in _in_place)
 
     def room(self) -> int:
         room = BUDGET.room(self.owner)
@@ -355,7 +360,6 @@ class HostPool:
             for a, b in spans:
                 self._held[a] = _in_place[a] = b - a
             self._buffers += views
-            self.in_place += nbytes
             self.used += nbytes
             BUDGET._count(self.owner, nbytes)
             _live += nbytes
@@ -387,5 +391,5 @@ class HostPool:
         """Unlock every buffer; the memory itself goes when the last reference to it does."""
         _release(self._held, self.pin, self.owner)
         self._buffers.clear()
-        self.used = self.in_place = 0
+        self.used = 0
         self._reported = (0, 0)
