@@ -7,9 +7,9 @@ streamed layer gets one host master at its first upload: a packed buffer taken f
 ``HostPool`` (pinned on CUDA) when the host budget has room for it, so loading pins nothing and
 the first forward pins as it goes (with ``compress``, a bf16 master is stored compressed and
 decoded on the device at every upload: ``compression``). A layer without a master (resident
-layers, and streamed layers past the budget) is read from its source a chunk at a time into a ring of small pinned
-staging buffers, each read overlapping the upload from the other, with the kernel asked to read
-the next layer's bytes ahead; no weight is held in host memory twice. Every upload (into a slot, or
+layers, and streamed layers past the budget) is read from its source a chunk at a time into a
+ring of small pinned staging buffers, each read overlapping the upload from the other, with the
+kernel asked to read the next layer's bytes ahead; no weight is held in host memory twice. Every upload (into a slot, or
 of a layer promoted to resident) runs on the streamer's ``UploadThread``, in the order it was
 queued; a layer waits for its own upload where it begins. The first ``n_resident`` layers of
 ``residency_order`` have a packed device buffer; the others are uploaded, one copy per layer,
