@@ -62,11 +62,11 @@ def test_realistic_random_weights_differ_from_plain_ones_as_stated():
     assert abs(plain.std() - 0.02) < 1e-3
 
 
-def test_the_switch_reads_on_and_off_and_refuses_the_rest(monkeypatch):
+def test_the_switch_reads_off_on_and_auto_and_refuses_the_rest(monkeypatch):
     from zimage_core.errors import SettingError
-    for text, want in (("", False), ("off", False), ("on", True), (" ON ", True), ("1", True)):
+    for text, want in (("", "auto"), ("off", "off"), ("on", "on"), (" ON ", "on"), ("Auto", "auto")):
         monkeypatch.setenv("ZIMAGE_COMPRESSION", text)
-        assert compression.compression_setting() is want
+        assert compression.compression_setting() == want
     monkeypatch.setenv("ZIMAGE_COMPRESSION", "fast")
-    with pytest.raises(SettingError, match="ZIMAGE_COMPRESSION is 'fast': set it to on or off"):
+    with pytest.raises(SettingError, match="ZIMAGE_COMPRESSION is 'fast': set it to auto"):
         compression.compression_setting()

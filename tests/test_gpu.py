@@ -91,13 +91,14 @@ def test_a_staging_ring_of_small_chunks_is_bit_identical_on_cuda(tiny_file, monk
 
 
 def test_compressed_masters_are_bit_identical_on_cuda(tiny_file, monkeypatch):
-    """Masters encoded on the device, stored compressed in pinned memory, uploaded a chunk at a time
-    and decoded on the decode stream while the next chunk crosses: the resident output, at every
+    """Masters encoded on the device, stored compressed in pinned memory, uploaded a run of chunks at
+    a time and decoded on the decode stream while the next run crosses: the resident output, at every
     split and slot count, with chunks small enough that every layer has several."""
     from zimage_core import compression
     monkeypatch.setattr(compression, "CHUNK", 40000)
+    monkeypatch.setattr(compression, "GROUP_BYTES", 70000)  # runs of one and of two chunks
     before = host_memory.live_bytes()
-    m = ZImageTransformer.load(tiny_file, device="cuda", dtype="bf16", settings=Settings(compress=True))
+    m = ZImageTransformer.load(tiny_file, device="cuda", dtype="bf16", settings=Settings(compress="on"))
     x, _, ctx = inputs(TINY, width=128, height=96)
     m.prepare(128, 96, resident_layers=TINY.n_blocks)
     ref = euler_sample(m, x.cuda(), ctx.cuda(), steps=4)
@@ -109,3 +110,29 @@ def test_compressed_masters_are_bit_identical_on_cuda(tiny_file, monkeypatch):
     assert all(c is not None and len(c) > 2 for c in s.codes) and all(h.is_pinned() for h in s.host)
     m.release()
     assert host_memory.live_bytes() == before
+
+
+def test_the_device_decode_gives_back_every_bit(monkeypatch):
+    """The Triton decode of runs of chunks (odd sizes, exceptions past 2**16 in a chunk, every bf16
+    bit pattern) gives the bits that were encoded, as the CPU's reference decode does."""
+    from zimage_core import compression, triton_decode
+    monkeypatch.setattr(compression, "CHUNK", 300000)  # wide loads, but not in the last run
+    monkeypatch.setattr(compression, "GROUP_BYTES", 1 << 20)
+    assert triton_decode.available(torch.device("cuda"))
+    g = torch.Generator().manual_seed(0)
+    w = (torch.randn(2_000_003, generator=g) * 0.02).to(torch.bfloat16)
+    w[::997] = 0
+    w[5::1009] = 30.0
+    w[:65536] = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    chunks, packed = compression.encode_all(w.cuda())
+    assert len(chunks) == 7 and all(c.n_exc for c in chunks)
+    runs = compression.groups(chunks)
+    assert 1 < len(runs) < len(chunks)
+    out = torch.zeros_like(w, device="cuda")
+    for run in runs:
+        first, nbytes = run[0].offset, sum(c.nbytes for c in run)
+        compression.decode_run(packed[first:first + nbytes], run, out, compression.table(run, out.device))
+    ref = torch.empty_like(w)
+    compression.decode_all(chunks, packed.cpu(), ref)
+    assert torch.equal(out.cpu().view(torch.int16), w.view(torch.int16))
+    assert torch.equal(ref.view(torch.int16), w.view(torch.int16))

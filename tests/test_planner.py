@@ -157,7 +157,7 @@ def test_bench_reports_bad_weights(tmp_path):
 
 def test_compressed_masters_take_less_host_memory_and_bus_time():
     plain = plan(FULL, int(5.5 * GiB), 1024, 1024, compute_copy_ratio=0.7)
-    packed = plan(FULL, int(5.5 * GiB), 1024, 1024, compute_copy_ratio=0.7, compress=True)
+    packed = plan(FULL, int(5.5 * GiB), 1024, 1024, compute_copy_ratio=0.7, compress="on")
     assert packed.master_bytes < 0.78 * packed.layer_bytes and plain.master_bytes == plain.layer_bytes
     assert packed.pinned_host_bytes == packed.pinned_layers * packed.master_bytes
     assert packed.resident_layers + packed.slots <= plain.resident_layers + plain.slots  # its device buffers
@@ -166,12 +166,23 @@ def test_compressed_masters_take_less_host_memory_and_bus_time():
     assert (simulate_step(n, packed.resident_layers, packed.slots, costs, packed.master_bytes / packed.layer_bytes, 0.2)
             < simulate_step(n, plain.resident_layers, plain.slots, costs, 1.0, 0.2))
     # the decode counts as compute beside each streamed layer: a slow one takes the gain back
-    slow = plan(FULL, int(5.5 * GiB), 1024, 1024, compute_copy_ratio=0.7, compress=True, decode=0.5)
+    slow = plan(FULL, int(5.5 * GiB), 1024, 1024, compute_copy_ratio=0.7, compress="on", decode=0.5)
     assert (simulate_step(n, slow.resident_layers, slow.slots, costs, slow.master_bytes / slow.layer_bytes, 0.2, decode=0.5)
             > simulate_step(n, plain.resident_layers, plain.slots, costs, 1.0, 0.2))
     assert plan(FULL, int(5.5 * GiB), 1024, 1024, compute_copy_ratio=0.7, decode=0.5) == plain  # only with compress
-    fp8 = plan(FULL, int(5.5 * GiB), 1024, 1024, storage=torch.float8_e4m3fn, compress=True)
+    fp8 = plan(FULL, int(5.5 * GiB), 1024, 1024, storage=torch.float8_e4m3fn, compress="on")
     assert fp8.master_bytes == fp8.layer_bytes  # bf16 layers only
+
+
+def test_auto_compresses_only_where_the_step_gets_shorter():
+    """The copies are the bound (5.5 GiB, a fast decode): compressed. They hide behind the compute
+    (everything resident, or a decode as slow as the copies it saves): plain."""
+    at = lambda gib, decode: plan(FULL, int(gib * GiB), 1024, 1024, compute_copy_ratio=0.7, compress="auto",
+                                  decode=decode)
+    assert at(5.5, 0.02).compressed
+    assert not at(80, 0.02).compressed and at(80, 0.02) == plan(FULL, int(80 * GiB), 1024, 1024, compute_copy_ratio=0.7)
+    assert not at(5.5, 0.5).compressed
+    assert not plan(FULL, int(5.5 * GiB), 1024, 1024, compress="auto").compressed  # nothing measured
 
 
 def test_bench_compares_compression_off_and_on_in_one_process(tiny_file):
@@ -179,7 +190,7 @@ def test_bench_compares_compression_off_and_on_in_one_process(tiny_file):
              "--resident-layers", "1", "--compression", "both", "--json", "--device", "cpu")
     assert r.returncode == 0, r.stderr
     off, on = (json.loads(line) for line in r.stdout.splitlines())
-    assert (off["compression"], on["compression"]) == (False, True)
+    assert (off["compression"], on["compression"]) == ("off", "on")
     assert off["output_sha256"] == on["output_sha256"]
     assert on["compressed_layers"] == TINY.n_blocks - 1 and off["compressed_layers"] == 0
     assert on["streamed_bytes_per_step"] < 0.78 * off["streamed_bytes_per_step"]

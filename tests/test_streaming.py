@@ -373,7 +373,7 @@ def test_compressed_masters_stream_the_same_bits_at_every_split(tiny_file):
     plain = ZImageTransformer.load(tiny_file, device="cpu", dtype="bf16")
     plain.prepare(64, 48, resident_layers=TINY.n_blocks)
     ref = plain(x, t, ctx)
-    m = ZImageTransformer.load(tiny_file, device="cpu", dtype="bf16", settings=Settings(compress=True))
+    m = ZImageTransformer.load(tiny_file, device="cpu", dtype="bf16", settings=Settings(compress="on"))
     try:
         for resident in (0, 2, TINY.n_blocks - 1, TINY.n_blocks, 0):
             m.prepare(64, 48, resident_layers=resident)

@@ -52,7 +52,8 @@ def pinned_bandwidth(model, repeats=5) -> float | None:
     host = next((h for h in reversed(s.host) if h is not None), None)
     if host is None or model.device.type != "cuda":
         return None
-    dst = s.slots[0] if s.slots else torch.empty_like(host, device=model.device)
+    host = host.view(torch.uint8)  # a compressed master is shorter than the slot it decodes into
+    dst = s.slots[0].view(torch.uint8)[:host.numel()] if s.slots else torch.empty_like(host, device=model.device)
     times = []
     for _ in range(repeats):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -62,7 +63,7 @@ def pinned_bandwidth(model, repeats=5) -> float | None:
             b.record(s.copy_stream)
         b.synchronize()
         times.append(a.elapsed_time(b) / 1e3)
-    return host.numel() * host.element_size() / statistics.median(times)
+    return host.numel() / statistics.median(times)
 
 
 _HOLDER = """
@@ -91,9 +92,9 @@ def simulated_card(leave_gib):
 
 
 def run(weights, width, height, steps=8, seed=0, splits=(None,), device=None, resident=False,
-        cap_tokens=64, dtype="bf16", card_gib=None, compress=False):
-    """One result per split (None: planned); the model is loaded once. ``compress``: its masters
-    are stored compressed."""
+        cap_tokens=64, dtype="bf16", card_gib=None, compress="off"):
+    """One result per split (None: planned); the model is loaded once. ``compress``: whether its
+    masters are stored compressed (``Settings.compress``: off, on, auto)."""
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     with simulated_card(card_gib):
         t0 = time.perf_counter()
@@ -175,7 +176,10 @@ def _run(model, dev, width, height, steps, seed, resident_layers, resident, cap_
         _, compute_times = _timed_steps(model, noise, ctx, steps)
     step = statistics.median(times[1:] or times)
     compute = statistics.median(compute_times[1:] or compute_times)
-    bound = max(compute, streamed_bytes / bw) if bw else compute
+    # a compressed layer's decode runs on the device beside the step's compute, so it adds to it
+    decode_s = _decode_time(s, dev) if dev.type == "cuda" else None
+    work = compute + (decode_s or 0.0) * sum(bool(s.codes[i]) for i, _ in copies) / steps
+    bound = max(work, streamed_bytes / bw) if bw else work
     result = {
         "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
         "width": width, "height": height, "steps": steps,
@@ -192,7 +196,7 @@ def _run(model, dev, width, height, steps, seed, resident_layers, resident, cap_
     }
     if dev.type == "cuda":
         result["measured_activation_bytes"] = torch.cuda.max_memory_allocated(dev) - held
-        result["decode_s_per_layer"] = _decode_time(s, dev)
+        result["decode_s_per_layer"] = decode_s
     if resident:
         model.prepare(width, height, resident_layers=cfg.n_blocks)
         euler_sample(model, noise, ctx, steps=1)

@@ -93,7 +93,7 @@ def _plan(a):
     ram = int(a.ram_gib * GiB) if a.ram_gib is not None else host_memory.available_ram()
     host = None if ram is None else planner.host_room(FULL, ram, storage=storage)
     p = planner.plan(FULL, free, a.width, a.height, a.batch, storage=storage,
-                     host_room=None if host is None else host.layers, compress=a.compress)
+                     host_room=None if host is None else host.layers, compress="on" if a.compress else "off")
     if a.json:
         print(json.dumps(dict(p.as_dict(), host=None if host is None else host.as_dict())))
     else:

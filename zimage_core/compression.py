@@ -10,8 +10,8 @@ few values: the magnitudes of one layer span a few binades. So each weight is st
   and high byte, written over the decoded high byte.
 
 That is 12 bits a weight plus 5 bytes an exception: 0.75 of bf16 when exceptions are rare. A fixed
-width code keeps the decode a handful of elementwise byte operations (no table, no bit stream), so
-the device decodes with torch's own kernels, no extra dependency, and the CPU runs the same code.
+width code keeps the decode a handful of elementwise byte operations (no table, no bit stream): a
+CUDA device runs them as one Triton pass over the chunk (``triton_decode``), the CPU as torch ops.
 
 The format is chunked (``CHUNK`` elements a chunk, each with its own base), so a chunk's compressed
 bytes can be uploaded into a small device buffer and decoded into its part of the slot while the
@@ -26,9 +26,14 @@ from dataclasses import dataclass
 
 import torch
 
+from . import triton_decode
 from .errors import SettingError
 
-CHUNK = 8 << 20  # elements of one chunk (16 MiB of bf16): the device's buffers for it stay small
+CHUNK = 8 << 20  # elements of one chunk (16 MiB of bf16): a chunk is the unit of a base and of encoding
+# bytes of one upload of consecutive chunks, decoded in one launch: few launches a layer (each
+# takes tens of microseconds of the CPU, on the upload thread beside the one queuing the step)
+# and two device buffers of this size
+GROUP_BYTES = 64 << 20
 EXCEPTION_BYTES = 5  # an int32 position and the high byte
 # a layer is stored compressed only if no chunk has more exceptions than this fraction of its
 # weights: its host buffer is sized for that before it is encoded (0.775 of bf16 at most)
@@ -49,28 +54,34 @@ class Chunk:
         return compressed_bytes(self.numel, self.n_exc)
 
 
-def compression_setting() -> bool:
-    """ZIMAGE_COMPRESSION: on or off (the default)."""
-    text = os.environ.get("ZIMAGE_COMPRESSION", "").strip().lower()
-    if text in ("", "off", "0"):
-        return False
-    if text in ("on", "1"):
-        return True
-    raise SettingError(f"ZIMAGE_COMPRESSION is {text!r}: set it to on or off (the default), or unset it.")
+MODES = ("off", "on", "auto")  # auto: where the planner finds that it shortens the step
 
 
-def _align4(n: int) -> int:
-    return -(-n // 4) * 4
+def compression_setting() -> str:
+    """ZIMAGE_COMPRESSION: off, on or auto (the default)."""
+    text = os.environ.get("ZIMAGE_COMPRESSION", "").strip().lower() or "auto"
+    if text in MODES:
+        return text
+    raise SettingError(f"ZIMAGE_COMPRESSION is {text!r}: set it to auto (the default), on or off, or unset it.")
+
+
+def _align16(n: int) -> int:
+    return -(-n // 16) * 16
+
+
+def _low(numel: int) -> int:
+    """Offset of a chunk's low bytes: after its codes, on a 16-byte boundary."""
+    return _align16((numel + 1) // 2)
 
 
 def _head(numel: int) -> int:
-    """Bytes of a chunk's codes and low bytes: the positions after them start on a 4-byte boundary,
-    so that they can be viewed as int32 in place."""
-    return _align4(numel + (numel + 1) // 2)
+    """Bytes of a chunk's codes and low bytes. Every part starts on a 16-byte boundary, so that the
+    device reads them in wide loads and the positions can be viewed as int32 in place."""
+    return _align16(_low(numel) + numel)
 
 
 def compressed_bytes(numel: int, n_exc: int) -> int:
-    return _align4(_head(numel) + EXCEPTION_BYTES * n_exc)  # the next chunk starts aligned too
+    return _align16(_head(numel) + EXCEPTION_BYTES * n_exc)  # the next chunk starts aligned too
 
 
 def pieces(numel: int) -> list:
@@ -124,16 +135,17 @@ def encode(part: torch.Tensor) -> tuple:
 
 def views(buf: torch.Tensor, c: Chunk) -> dict:
     """Chunk ``c``'s parts in ``buf``: its compressed bytes, from the chunk's first byte on."""
-    n_codes = (c.numel + 1) // 2
+    n_codes, low = (c.numel + 1) // 2, _low(c.numel)
     at = _head(c.numel)
-    return {"codes": buf[:n_codes], "low": buf[n_codes:n_codes + c.numel],
+    return {"codes": buf[:n_codes], "low": buf[low:low + c.numel],
             "positions": buf[at:at + 4 * c.n_exc].view(torch.int32),
             "high": buf[at + 4 * c.n_exc:at + EXCEPTION_BYTES * c.n_exc]}
 
 
 def decode(src: torch.Tensor, c: Chunk, dst: torch.Tensor):
     """Chunk ``c`` from ``src`` (its compressed bytes from the chunk's first on, on ``dst``'s
-    device) into ``dst`` (bf16, ``c.numel`` elements): the bits it was encoded from, on any device."""
+    device) into ``dst`` (bf16, ``c.numel`` elements): the bits it was encoded from. The reference
+    decode, in torch ops on any device; a CUDA device decodes runs of chunks (``decode_run``)."""
     parts = views(src, c)
     lo, hi = _split(dst)
     lo.copy_(parts["low"])
@@ -142,6 +154,42 @@ def decode(src: torch.Tensor, c: Chunk, dst: torch.Tensor):
     torch.bitwise_or((both & 8) << 4, (both & 7) + c.base, out=hi)
     if c.n_exc:
         hi[parts["positions"].to(torch.int64)] = parts["high"]
+
+
+def groups(chunks) -> list:
+    """A layer's chunks in runs of consecutive ones of at most ``GROUP_BYTES`` together: a run is
+    one copy into a device buffer and one decode."""
+    runs, run, size = [], [], 0
+    for c in chunks:
+        if run and size + c.nbytes > GROUP_BYTES:
+            runs.append(tuple(run))
+            run, size = [], 0
+        run.append(c)
+        size += c.nbytes
+    return runs + [tuple(run)] if run else runs
+
+
+def table(run, device) -> torch.Tensor:
+    """The device's description of a run of chunks (``triton_decode``): a row a chunk of its
+    offset in the run's bytes, weights, base, first weight in the layer, exceptions, and the
+    offsets of its exceptions' positions and of its low bytes in the run's bytes."""
+    first = run[0].offset
+    return torch.tensor([[c.offset - first, c.numel, c.base, c.start, c.n_exc,
+                          c.offset - first + _head(c.numel), c.offset - first + _low(c.numel)]
+                         for c in run], dtype=torch.int64).to(device)
+
+
+def decode_run(src: torch.Tensor, run, dst: torch.Tensor, rows: torch.Tensor | None = None):
+    """A run of chunks from ``src`` (its bytes, from the run's first) into the layer ``dst``; on a
+    CUDA device in two kernel launches, given the run's ``table`` (``rows``) there."""
+    if dst.is_cuda:
+        rows = table(run, dst.device) if rows is None else rows
+        triton_decode.decode(src, rows, max(c.numel for c in run), max(c.n_exc for c in run), dst,
+                             aligned=all(c.start % 16 == 0 and c.numel % 16 == 0 for c in run))
+        return
+    first = run[0].offset
+    for c in run:
+        decode(src[c.offset - first:c.offset - first + c.nbytes], c, dst[c.start:c.start + c.numel])
 
 
 def encode_all(flat: torch.Tensor) -> tuple:
@@ -156,17 +204,20 @@ def encode_all(flat: torch.Tensor) -> tuple:
 
 
 def decode_all(chunks, packed: torch.Tensor, dst: torch.Tensor):
-    for c in chunks:
-        decode(packed[c.offset:c.offset + c.nbytes], c, dst[c.start:c.start + c.numel])
+    """Every chunk from ``packed`` (all their bytes) into ``dst``: one run on any device."""
+    decode_run(packed, chunks, dst)
 
 
 def decode_seconds(chunks, packed: torch.Tensor, dst: torch.Tensor, repeats: int = 3) -> float:
     """Seconds a CUDA device takes to decode ``chunks`` from ``packed`` into ``dst`` (both on it):
-    the median of ``repeats`` timed decodes after an untimed one (the kernels' first launch)."""
+    the median of ``repeats`` timed decodes after an untimed one (the kernels' first launch). Each
+    is queued behind a short spin of the device, so what is timed is the device's work and not
+    the launches' (on the streamer's copy path they are queued ahead of the data)."""
     decode_all(chunks, packed, dst)
     times = []
     for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(20_000_000)  # about 10 ms of clock cycles: the launches below queue up behind it
         start.record()
         decode_all(chunks, packed, dst)
         end.record()

@@ -25,8 +25,9 @@ from .streamer import PackLayout, residency_order, staging_bytes
 MiB = 1 << 20
 GiB = 1 << 30
 RESERVE = 384 * MiB  # cuBLAS workspaces, allocator rounding, the CUDA graphs of other code
-# compressed uploads: two chunk buffers and one chunk's decode or encode temporaries
-CODEC_BYTES = 128 * MiB
+# compressed uploads: two device buffers of ``compression.GROUP_BYTES`` (a chunk's encode
+# temporaries, at a layer's first upload, come before they are made)
+CODEC_BYTES = 2 * compression.GROUP_BYTES
 HOST_RESERVE = GiB   # what a forward on the CPU leaves to the rest of the machine
 
 
@@ -42,6 +43,11 @@ class HostRoom:
     working: int     # what a run needs beside the weights
     fixed: int       # the transformer's fixed part and its staging ring
     layers: int      # what is left for the streamed layers' masters (the rest keeps files cached)
+
+    @property
+    def compressed(self) -> bool:
+        """Streamed layers get compressed masters (``compression``)."""
+        return self.master_bytes < self.layer_bytes
 
     def as_dict(self):
         return asdict(self)
@@ -79,6 +85,11 @@ class Plan:
     file_layers: int = 0           # streamed layers read from the file (page cache) at every upload
     ram_short: int = 0             # of those, layers a master would make faster, for which the RAM has no room
     master_bytes: int = 0          # host bytes of one pinned master (less than layer_bytes where compressed)
+
+    @property
+    def compressed(self) -> bool:
+        """Streamed layers get compressed masters (``compression``)."""
+        return self.master_bytes < self.layer_bytes
 
     def as_dict(self):
         return asdict(self)
@@ -173,9 +184,10 @@ def _scaled(width, height, s):
 
 
 def plan_host(cfg: ZImageConfig, free_bytes: int, width: int, height: int, batch: int = 1,
-              dtype=torch.float32, chunk_rows=None, chunk_queries=None) -> Plan:
+              dtype=torch.float32, chunk_rows=None, chunk_queries=None, compress: str = "off") -> Plan:
     """A forward computed on the CPU: the layers are in host memory already, so what must fit in
-    the RAM that is available is the activations (and what the rest of the machine keeps)."""
+    the RAM that is available is the activations (and what the rest of the machine keeps).
+    ``compress``: "on" keeps bf16 masters compressed (the reference decode; no bus to save on)."""
     def need(w, h):
         return activation_bytes(cfg, w, h, batch, dtype=dtype, storage=dtype, chunk_rows=chunk_rows,
                                 chunk_queries=chunk_queries) + HOST_RESERVE
@@ -183,10 +195,12 @@ def plan_host(cfg: ZImageConfig, free_bytes: int, width: int, height: int, batch
     act = need(width, height) - HOST_RESERVE
     fits = need(width, height) <= free_bytes
     n = cfg.n_blocks
-    layer = PackLayout(cfg, dtype).nbytes
+    packed = PackLayout(cfg, dtype)
+    layer = packed.nbytes
     return Plan(width, height, batch, free_bytes, n if fits else 0, 0 if fits else n, 0,
                 layer, cfg.fixed_params() * dtype.itemsize, act, 0, 0, fits, on_cpu=True,
-                needed_bytes=act + HOST_RESERVE, master_bytes=layer,
+                needed_bytes=act + HOST_RESERVE,
+                master_bytes=compression.bound(packed.numel) if compress == "on" and dtype == torch.bfloat16 else layer,
                 largest_fitting=None if fits else _largest_fitting(width, height, lambda w, h: need(w, h) <= free_bytes))
 
 
@@ -294,19 +308,36 @@ def pinned_needed(n_layers, resident, slots, costs, fixed, file_copy: float, mas
 
 def plan(cfg: ZImageConfig, free_bytes: int, width: int, height: int, batch: int = 1,
          storage=torch.bfloat16, dtype=torch.bfloat16, compute_copy_ratio: float | None = None,
-         host_room: int | None = None, file_copy: float | None = None, compress: bool = False,
+         host_room: int | None = None, file_copy: float | None = None, compress: str = "off",
          decode: float = 0.0) -> Plan:
     """The split for ``free_bytes`` of device memory; ``host_room``: host bytes the streamed layers'
     masters may take (None: as many as they need). With ``file_copy`` (a layer's upload from the
     page cache through the staging ring, over one from a pinned master) only the streamed layers
     whose masters buy time are pinned: pinned memory is RAM that nothing else can use, while the
-    page cache gives way when the machine needs it. ``compress``: bf16 masters are stored
-    compressed (``compression``), fewer bytes in host memory and over the bus for a little device
-    memory and ``decode`` (a layer's decode on the device, in plain uploads of a layer, counted as
-    compute beside each streamed layer: ``compute_copy_ratio`` is in the same unit)."""
+    page cache gives way when the machine needs it. ``compress`` ("off", "on" or "auto"): bf16
+    masters stored compressed (``compression``), fewer bytes in host memory and over the bus for
+    a little device memory and ``decode`` (a layer's decode on the device, in plain uploads of a
+    layer, counted as compute beside each streamed layer: ``compute_copy_ratio`` is in the same
+    unit). "auto" compresses where that makes the simulated step at least 2% shorter: where the
+    copies hide behind the compute anyway, the decode only adds to it (``Plan.compressed``)."""
+    args = (cfg, free_bytes, width, height, batch, storage, dtype, compute_copy_ratio, host_room, file_copy)
+    if compress == "off" or storage != torch.bfloat16:
+        return _plan(*args)[0]
+    packed, packed_step = _plan(*args, compress=True, decode=decode)
+    if compress == "on":
+        return packed
+    plain, plain_step = _plan(*args)
+    if packed_step is None or plain_step is None:  # nothing measured to choose by
+        return plain
+    return packed if packed.fits and packed_step < 0.98 * plain_step else plain
+
+
+def _plan(cfg, free_bytes, width, height, batch, storage, dtype, compute_copy_ratio, host_room, file_copy,
+          compress=False, decode=0.0) -> tuple:
+    """(``plan``'s split with or without compressed masters, its simulated step in plain uploads
+    of a layer, or None where the compute/copy ratio is not known)."""
     packed = PackLayout(cfg, storage)
     layer = packed.nbytes
-    compress = compress and storage == torch.bfloat16
     master = compression.bound(packed.numel) if compress else layer
     master_copy = master / layer  # a master's upload, in plain uploads
     decode = decode if compress else 0.0
@@ -314,6 +345,9 @@ def plan(cfg: ZImageConfig, free_bytes: int, width: int, height: int, batch: int
     act = activation_bytes(cfg, width, height, batch, dtype=dtype, storage=storage)
     room = free_bytes - fixed - act - RESERVE - (CODEC_BYTES if compress else 0)
     n = cfg.n_blocks
+    if compute_copy_ratio is not None:
+        costs = [c * compute_copy_ratio for c in block_costs(cfg, width, height, batch)]
+        before = 0.25 * compute_copy_ratio  # embedders, final layer and sampler, in layers' worth
     if room >= n * layer:
         r, k = n, 0
     else:
@@ -322,8 +356,6 @@ def plan(cfg: ZImageConfig, free_bytes: int, width: int, height: int, batch: int
         if compute_copy_ratio is None:
             r, k = max(m - 2, 0), min(2, max(m, 1))
         else:
-            costs = [c * compute_copy_ratio for c in block_costs(cfg, width, height, batch)]
-            before = 0.25 * compute_copy_ratio  # embedders, final layer and sampler, in layers' worth
             r, k = min(options, key=lambda o: (round(simulate_step(n, o[0], o[1], costs, master_copy, before,
                                                                    decode=decode), 3), -o[0]))
         k = min(k, n - r)
@@ -339,8 +371,14 @@ def plan(cfg: ZImageConfig, free_bytes: int, width: int, height: int, batch: int
     if not fits:
         streamed = needed = n
     pinned = min(needed, _pinned_layers(streamed, host_room, master))
+    step = None
+    if fits and compute_copy_ratio is not None:
+        rest = streamed - pinned  # read from the page cache, plain, at every upload
+        step = simulate_step(n, r, k, costs, [master_copy] * pinned + [file_copy or 1.0] * rest, before,
+                             decode=[decode] * pinned + [0.0] * rest) if streamed else sum(costs) + before
     return Plan(width, height, batch, free_bytes, r if fits else 0, streamed, k if fits else 0,
                 layer, fixed, act, fixed + act + (r + k) * layer if fits else 0, pinned * master, fits,
                 needed_bytes=need(width, height),
                 largest_fitting=None if fits else _largest_fitting(width, height, lambda w, h: need(w, h) <= free_bytes),
-                pinned_layers=pinned, file_layers=streamed - pinned, ram_short=needed - pinned, master_bytes=master)
+                pinned_layers=pinned, file_layers=streamed - pinned, ram_short=needed - pinned,
+                master_bytes=master), step

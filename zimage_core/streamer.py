@@ -37,7 +37,7 @@ import math
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from . import compression
+from . import compression, triton_decode
 from .config import ZImageConfig
 from .errors import NonFiniteWeights
 from .host_memory import HostPool, advise_mapped
@@ -176,7 +176,9 @@ class LayerStreamer:
         their slot on the device, bit for bit."""
         self.layout, self.device, self.pool = layout, device_of(device), pool
         self.pinned_sources = pinned_sources
-        self.compress = compress and masters and layout.dtype == torch.bfloat16
+        self.can_compress = (compress and masters and layout.dtype == torch.bfloat16
+                             and (self.device.type != "cuda" or triton_decode.available(self.device)))
+        self.compress = self.can_compress  # whether new masters are compressed: the plan's (``configure``)
         self.cuda = self.device.type == "cuda"
         self.n_layers = len(sources)
         self.sources = sources
@@ -185,14 +187,18 @@ class LayerStreamer:
         self.order = residency_order(self.n_layers)
         self.host = [None] * self.n_layers      # packed host masters (pinned where possible)
         self.codes = [None] * self.n_layers     # the chunks of the masters stored compressed
+        self._runs = [None] * self.n_layers     # their runs and tables on the device (``_decode``)
         self.resident = {}                     # layer -> packed device buffer
         self.streamed = list(range(self.n_layers))  # the other layers, in the order they run
         self._index = {i: j for j, i in enumerate(self.streamed)}  # layer -> its place in streamed
         self.slots = []
         self.copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
         # compressed uploads: a chunk's bytes cross on the copy stream into one of two device buffers
-        # while the previous chunk is decoded into the slot on this stream
-        self.decode_stream = torch.cuda.Stream(self.device) if self.cuda and self.compress else None
+        # while the previous chunk is decoded into the slot on this stream. Its priority is high:
+        # a decode is a few microseconds of work that would otherwise queue behind the step's
+        # matrix kernels while the copy stream waits for its buffer
+        self.decode_stream = (torch.cuda.Stream(self.device, priority=-1)
+                              if self.cuda and self.can_compress else None)
         self._packed = []                      # [device buffer, event of the last decode from it]
         self._packed_next = 0
         self._ready, self._free = [], []
@@ -278,7 +284,7 @@ class LayerStreamer:
             buf = torch.empty(self.layout.numel, dtype=self.layout.dtype)
         compression.decode_all(self.codes[i], self.host[i], buf)
         self.pool.free(self.host[i])
-        self.host[i], self.codes[i] = buf, None
+        self.host[i], self.codes[i], self._runs[i] = buf, None, None
 
     def ensure_host(self, i):
         """A plain packed host master for layer i even past the budget (then pageable memory): a
@@ -315,27 +321,30 @@ class LayerStreamer:
             self._stage(i, dst)
 
     def _decode(self, i, dst):
-        """Layer i from its compressed master into ``dst``: on a GPU each chunk's bytes cross into
-        one of two device buffers on the copy stream and are decoded on the decode stream, so the
-        next chunk crosses while this one is decoded; the copy stream then waits for the last
-        decode, so what is queued on it next (the slot's ready event) comes after."""
+        """Layer i from its compressed master into ``dst``: on a GPU each run of chunks
+        (``compression.groups``) crosses into one of two device buffers on the copy stream and is
+        decoded on the decode stream, so the next run crosses while this one is decoded; the copy
+        stream then waits for the last decode, so what is queued on it next (the slot's ready
+        event) comes after."""
         if not self.cuda:
             compression.decode_all(self.codes[i], self.host[i], dst)
             return
         if not self._packed:
-            size = compression.compressed_bytes(compression.CHUNK, compression.max_exceptions(compression.CHUNK))
-            self._packed = [[torch.empty(size, dtype=torch.uint8, device=self.device), torch.cuda.Event()]
-                            for _ in range(2)]
-        for c in self.codes[i]:
+            self._packed = [[torch.empty(compression.GROUP_BYTES, dtype=torch.uint8, device=self.device),
+                             torch.cuda.Event()] for _ in range(2)]
+        if self._runs[i] is None:
+            self._runs[i] = [(run, compression.table(run, self.device)) for run in compression.groups(self.codes[i])]
+        for run, rows in self._runs[i]:
             packed, decoded = self._packed[self._packed_next]
             self._packed_next ^= 1
+            start, nbytes = run[0].offset, sum(c.nbytes for c in run)
             self.copy_stream.wait_event(decoded)  # the decode from this buffer has finished
-            packed[:c.nbytes].copy_(self.host[i][c.offset:c.offset + c.nbytes], non_blocking=True)
+            packed[:nbytes].copy_(self.host[i][start:start + nbytes], non_blocking=True)
             copied = torch.cuda.Event()
             copied.record(self.copy_stream)
             self.decode_stream.wait_event(copied)
             with torch.cuda.stream(self.decode_stream):
-                compression.decode(packed[:c.nbytes], c, dst[c.start:c.start + c.numel])
+                compression.decode_run(packed[:nbytes], run, dst, rows)
             decoded.record(self.decode_stream)
         self.copy_stream.wait_event(decoded)
 
@@ -398,14 +407,18 @@ class LayerStreamer:
     def _empty(self):
         return torch.empty(self.layout.numel, dtype=self.layout.dtype, device=self.device)
 
-    def configure(self, n_resident: int, n_slots: int, from_file: int | None = None):
+    def configure(self, n_resident: int, n_slots: int, from_file: int | None = None, compress: bool | None = None):
         """Make the first ``n_resident`` layers of ``residency_order`` resident with ``n_slots``
         slots for the rest (0 slots: only the resident layers stay on the device, as when the
         model is offloaded). Frees before it allocates, so a shrinking split never needs extra
         memory. ``from_file``: streamed layers left without a master (the planner's page-cache
-        layers; masters made before stay, and a layer evicted later may get one), None: as before."""
+        layers; masters made before stay, and a layer evicted later may get one), None: as before.
+        ``compress``: whether masters made from now on are compressed, where the streamer can
+        (those made before stay as they are), None: as before."""
         if from_file is not None:
             self.from_file = from_file
+        if compress is not None:
+            self.compress = compress and self.can_compress
         n_resident = max(0, min(n_resident, self.n_layers))
         n_slots = 0 if n_resident == self.n_layers or n_slots == 0 else min(n_slots, self.n_layers - n_resident)
         keep = set(self.order[:n_resident])
@@ -462,6 +475,7 @@ class LayerStreamer:
         self.drop_queued()
         self.host = [None] * self.n_layers
         self.codes = [None] * self.n_layers
+        self._runs = [None] * self.n_layers
         self._packed = []
         self._staging, self._stage_next = [], 0
         self.pool.release_all()

@@ -48,7 +48,9 @@ class Settings:
     leave_free: int = 0               # bytes of device memory the plan leaves to others
     pinned_cap: int | None = None     # host bytes this model may hold, beside the process-wide budget
     device_budget: int | None = None  # plan and run as if the device had this many bytes (tests, simulations)
-    compress: bool = False            # bf16 masters stored compressed: fewer bytes in RAM and over the bus
+    # bf16 masters stored compressed, fewer bytes in RAM and over the bus: "off", "on", or "auto"
+    # (where the planner finds that it shortens the step: ``planner.plan``)
+    compress: str = "off"
 
 
 class ZImageTransformer(torch.nn.Module):
@@ -106,7 +108,7 @@ class ZImageTransformer(torch.nn.Module):
             layout = PackLayout(cfg, storage)
             pool = HostPool("transformer", pin=dev.type == "cuda", cap_bytes=settings.pinned_cap)
             streamer = LayerStreamer(layout, [layer_pieces(ckpt, f"{name}.") for name in cfg.block_names()],
-                                     dev, pool, check_finite=True, compress=settings.compress)
+                                     dev, pool, check_finite=True, compress=settings.compress != "off")
             # the never-streamed tensors (embedders, norms, adaLN, final layer): placed on the device
             # while it computes, from one host master per dtype
             fixed = DeviceCopies(module_tensors(model), dev, pool)
@@ -188,18 +190,23 @@ class ZImageTransformer(torch.nn.Module):
         if self.device.type == "cpu":
             c = self.chunks(width, height, batch)
             return planner.plan_host(self.cfg, free, width, height, batch, dtype=self.dtype,
-                                     chunk_rows=c.rows, chunk_queries=c.queries)
+                                     chunk_rows=c.rows, chunk_queries=c.queries, compress=self._compress)
         tokens = self.cfg.image_tokens(width, height) * batch
         if tokens not in self._ratio and self.device.type == "cuda":
             self._ratio[tokens] = self._measure_ratio(tokens)
         ratio, file_copy, decode = self._ratio.get(tokens, (None, None, 0.0))
         p = planner.plan(self.cfg, free, width, height, batch, storage=self.storage_dtype, dtype=self.dtype,
                          compute_copy_ratio=ratio, host_room=self.host_room(), file_copy=file_copy,
-                         compress=self.streamer.compress, decode=decode)
+                         compress=self._compress, decode=decode)
         cap = self.settings.max_resident
         if cap is not None and p.fits and p.resident_layers > cap:
             p.force(cap, self.host_room())
         return p
+
+    @property
+    def _compress(self) -> str:
+        """The compression setting, where the streamer can compress (bf16 masters, the decode runs)."""
+        return self.settings.compress if self.streamer.can_compress else "off"
 
     def host_room(self) -> int | None:
         """Host bytes the streamed layers' masters may take: those they hold, and what the budget
@@ -218,7 +225,7 @@ class ZImageTransformer(torch.nn.Module):
             raise OutOfDeviceMemory(p.summary())
         self.plan = p
         start, before = time.perf_counter(), self.streamer.n_resident
-        self._set_split(p.resident_layers, p.slots, p.file_layers - p.ram_short)
+        self._set_split(p.resident_layers, p.slots, p.file_layers - p.ram_short, p.compressed)
         log.debug("Z-Image: split set in %.2f s (%d -> %d resident)", time.perf_counter() - start, before,
                   self.streamer.n_resident)
         if self.streamer.cuda:
@@ -243,10 +250,10 @@ class ZImageTransformer(torch.nn.Module):
                     p.pinned_layers, p.streamed_layers, p.file_layers, fp8,
                     host_memory.BUDGET.headroom / planner.GiB)
 
-    def _set_split(self, resident, slots, from_file):
+    def _set_split(self, resident, slots, from_file, compress):
         while True:
             try:
-                self.streamer.configure(resident, slots, from_file)
+                self.streamer.configure(resident, slots, from_file, compress)
                 break
             except torch.OutOfMemoryError:  # the estimate was optimistic: one layer fewer
                 less = planner.one_layer_less(resident, slots)
@@ -406,7 +413,7 @@ class ZImageTransformer(torch.nn.Module):
         upload_s = ev[2].elapsed_time(ev[3]) / 1e3
         ratio = planner.compute_copy_ratio(cfg, x.shape[0], rate, chunks * upload_s)
         s = self.streamer
-        decode = self._decode_s(w) / (chunks * upload_s) if s.compress else 0.0
+        decode = self._decode_s(w) / (chunks * upload_s) if s.can_compress else 0.0
         unpinned = [i for i in reversed(s.order) if s.host[i] is None]  # the last to become resident first
         if not unpinned:
             return ratio, None, decode
