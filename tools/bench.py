@@ -127,9 +127,10 @@ def _timed_upload(copies, stream, i, upload):
         return upload()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record(stream)
-    upload()
+    done_on = upload()
     end.record(stream)
     copies.append((i, (start, end)))
+    return done_on
 
 
 def _upload_bytes(s, i) -> int:

@@ -312,7 +312,7 @@ class LayerStreamer:
             if self._make_master(i, dst) and self.codes[i] is not None:
                 return  # encoded from ``dst``, which holds the layer already
         if self.codes[i] is not None:
-            self._decode(i, dst)
+            return self._decode(i, dst)
         elif self.host[i] is not None:
             dst.copy_(self.host[i], non_blocking=self.cuda)
         elif self.pinned_sources or not (self.cuda or master):  # (on the CPU: a resident layer's buffer is its host copy)
@@ -323,9 +323,9 @@ class LayerStreamer:
     def _decode(self, i, dst):
         """Layer i from its compressed master into ``dst``: on a GPU each run of chunks
         (``compression.groups``) crosses into one of two device buffers on the copy stream and is
-        decoded on the decode stream, so the next run crosses while this one is decoded; the copy
-        stream then waits for the last decode, so what is queued on it next (the slot's ready
-        event) comes after."""
+        decoded on the decode stream, so the next run crosses while this one is decoded. Returns
+        the decode stream, where the layer is done (the slot's ready event is recorded there): the
+        copy stream goes on to the next upload without waiting for the last decode."""
         if not self.cuda:
             compression.decode_all(self.codes[i], self.host[i], dst)
             return
@@ -346,7 +346,7 @@ class LayerStreamer:
             with torch.cuda.stream(self.decode_stream):
                 compression.decode_run(packed[:nbytes], run, dst, rows)
             decoded.record(self.decode_stream)
-        self.copy_stream.wait_event(decoded)
+        return self.decode_stream
 
     def staging_due(self) -> int:
         """Host bytes the staging ring takes when it is made (0 once it is)."""
@@ -454,13 +454,14 @@ class LayerStreamer:
 
     def _submit_upload(self, upload, ready, after=None):
         """Queue ``upload()`` on the upload thread: on a GPU after event ``after`` (the last user of
-        its destination has finished), with event ``ready`` recorded once it is on the copy stream."""
+        its destination has finished), with event ``ready`` recorded once it is on the copy stream
+        (or on the stream ``upload()`` returns, where it finishes: a decode's)."""
         def job():
             if after is not None:
                 self.copy_stream.wait_event(after)
-            upload()
+            done_on = upload()
             if ready is not None:
-                ready.record(self.copy_stream)
+                ready.record(done_on or self.copy_stream)
         return self.uploads.submit(job)
 
     def release(self):
@@ -485,6 +486,8 @@ class LayerStreamer:
         self.uploads.wait()
         if self.cuda:
             self.copy_stream.synchronize()
+            if self.decode_stream is not None:
+                self.decode_stream.synchronize()
             torch.cuda.current_stream(self.device).synchronize()
 
     # -- running ---------------------------------------------------------------------------
@@ -499,8 +502,9 @@ class LayerStreamer:
 
     def register_upload_hook(self, hook) -> RemovableHandle:
         """``hook(layer, upload)`` runs in place of each upload into a slot (on the copy stream, on a
-        GPU) and performs it by calling ``upload()``: benchmarks time it or skip it (to time the
-        compute alone), tests count it. ``handle.remove()`` takes the hook away."""
+        GPU) and performs it by calling ``upload()``, returning what that returns: benchmarks time
+        it or skip it (to time the compute alone), tests count it. ``handle.remove()`` takes the
+        hook away."""
         handle = RemovableHandle(self._upload_hooks)
         self._upload_hooks[handle.id] = hook
         return handle
