@@ -2,6 +2,7 @@
 through slots from its own tensors (``StreamedStack``: a text encoder): same output as the model
 run whole, and every weight held in host memory once (a tensor that gets a master is pointed at
 it; a streamed layer has none)."""
+import copy
 import os
 
 import pytest
@@ -137,6 +138,23 @@ def test_a_model_without_a_uniform_stack_is_refused():
         StreamedStack(enc, "cpu", HostPool())
     with pytest.raises(UnsupportedStack, match="no stack"):
         StreamedStack(torch.nn.Linear(3, 3), "cpu", HostPool())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_device_copies_run_in_the_dtypes_the_loader_casts_to(device):
+    """A model holding its file's fp32 tensors and run in bf16 (as ComfyUI v0.28 loads a VAE): the
+    copies are bf16, the model's own tensors stay fp32, and the output is that of the model cast."""
+    enc, ids, _ = encoder_and_output(device, seed=3)
+    entries = module_tensors(enc)
+    cast = copy.deepcopy(enc).to(device=device, dtype=torch.bfloat16)
+    want = cast(ids)
+    copies = DeviceCopies(entries, device, HostPool(), [torch.bfloat16] * len(entries))
+    assert copies.loaded_bytes == sum(t.numel() * 2 for t in enc.state_dict().values())
+    with copies.running():
+        assert all(v.dtype == torch.bfloat16 for v in enc.state_dict().values())
+        assert torch.equal(enc(ids), want)
+    assert all(v.dtype == torch.float32 for v in enc.state_dict().values())
+    copies.release()
 
 
 @pytest.mark.parametrize("device", DEVICES)

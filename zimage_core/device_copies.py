@@ -57,9 +57,15 @@ def module_tensors(root: torch.nn.Module, skip: set = frozenset()) -> list:
 
 
 class DeviceCopies:
-    def __init__(self, entries: list, device, pool: HostPool):
+    def __init__(self, entries: list, device, pool: HostPool, dtypes: list | None = None):
+        """``dtypes``: per entry, the dtype the model runs that tensor in where it differs from the
+        tensor's own (a loader that keeps the file's fp32 tensors and casts them as it loads them),
+        else None; the device copies are cast to it after the upload."""
         self.entries, self.device, self.pool = entries, device_of(device), pool
-        self.loaded_bytes = sum(getattr(m, kind)[name].nbytes for m, kind, name in entries)
+        tensors = [getattr(m, kind)[name] for m, kind, name in entries]
+        self.dtypes = [d if d is not None and d != t.dtype else None
+                       for t, d in zip(tensors, dtypes or [None] * len(entries))]
+        self.loaded_bytes = sum(t.numel() * (d or t.dtype).itemsize for t, d in zip(tensors, self.dtypes))
         self._index = {(id(m), name): j for j, (m, kind, name) in enumerate(entries)}
         self._host = None    # the masters (pinned where the pool allows), made once
         self._device = None  # the device copies, while loaded
@@ -78,7 +84,10 @@ class DeviceCopies:
                 self._host = host_masters(tensors, self.pool)
                 self._point(self._host)
         if self._device is None:
-            self._device = [t.to(self.device, non_blocking=True) for t in self._host]
+            # uploaded as stored, then cast on the device: a cast on the way would go through a
+            # pageable copy on the CPU
+            self._device = [t.to(self.device, non_blocking=True) if d is None else t.to(self.device, non_blocking=True).to(d)
+                            for t, d in zip(self._host, self.dtypes)]
 
     def place(self):
         """Load, and leave the model's tensors on the device copies (a model whose every forward

@@ -58,6 +58,13 @@ class PinnedPatcher(comfy.model_patcher.ModelPatcher):
         return self.part.pool.used
 
 
+def run_dtypes(entries) -> list:
+    """Per ``module_tensors`` entry, the dtype ComfyUI runs the tensor in: v0.28 assigns the file's
+    tensors to the model (an fp32 VAE file stays fp32 in memory) and casts each to the dtype it
+    archived for it (``<name>_comfy_model_dtype``) as it loads it; None where it archived none."""
+    return [getattr(m, f"{name}_comfy_model_dtype", None) for m, _, name in entries]
+
+
 # the pack's patcher for another model, one per ComfyUI patcher, alive as long as that patcher is
 _pinned: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 

@@ -12,7 +12,7 @@ import comfy.model_management as mm
 from ..device_copies import DeviceCopies, module_tensors
 from .memory import on_an_emptied_gpu_after_oom
 from .model import take_back_memory
-from .pinned import pinned_patcher
+from .pinned import pinned_patcher, run_dtypes
 
 log = logging.getLogger("zimage")
 
@@ -21,8 +21,9 @@ def pinned_vae(vae):
     """The pack's patcher for ``vae`` (its weights uploaded from pinned masters, its unload free),
     or None where ComfyUI's own VAE patcher must run the decode."""
     model = vae.first_stage_model
+    entries = module_tensors(model)
     return pinned_patcher(vae.patcher, model,
-                           lambda pool: DeviceCopies(module_tensors(model), vae.patcher.load_device, pool), "VAE")
+                          lambda pool: DeviceCopies(entries, vae.patcher.load_device, pool, run_dtypes(entries)), "VAE")
 
 
 # Measured peak of the Flux AE decoder: about 2.2 KB per output pixel in bf16, 4.4 KB in fp32
