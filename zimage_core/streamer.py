@@ -239,6 +239,9 @@ class LayerStreamer:
                 raise
             if codes is not None:
                 self.host[i], self.codes[i] = buf, codes
+                if self.cuda:  # made here, where the encode waits for the device anyway: a table's
+                    # upload from pageable memory waits for its stream, which at upload time is busy
+                    self._runs[i] = [(run, compression.table(run, self.device)) for run in compression.groups(codes)]
                 self.layout.drop(self.sources[i])
                 return True
             self.pool.free(buf)  # too many exceptions for the bound: a plain master
@@ -332,8 +335,6 @@ class LayerStreamer:
         if not self._packed:
             self._packed = [[torch.empty(compression.GROUP_BYTES, dtype=torch.uint8, device=self.device),
                              torch.cuda.Event()] for _ in range(2)]
-        if self._runs[i] is None:
-            self._runs[i] = [(run, compression.table(run, self.device)) for run in compression.groups(self.codes[i])]
         for run, rows in self._runs[i]:
             packed, decoded = self._packed[self._packed_next]
             self._packed_next ^= 1
