@@ -93,7 +93,8 @@ def _print_bench(r):
     print(f"  streamed per step   {r['streamed_bytes_per_step'] / 1e9:.2f} GB"
           f"{' (compressed: %d layers)' % r['compressed_layers'] if r['compressed_layers'] else ''}")
     if r.get("decode_s_per_layer"):
-        print(f"  decode              {ms(r['decode_s_per_layer'])} a layer")
+        print(f"  decode              {ms(r['decode_s_per_layer'])} a layer (the masters took {r['encode_s']:.2f} s "
+              "to encode, in the first forward)")
     print(f"  copy bandwidth      {gbs(r['copy_bandwidth_Bps'])} (pinned alone {gbs(r['pinned_bandwidth_Bps'])})")
     print(f"  bound               {ms(r['bound_s'])}  ratio {r['ratio_to_bound']:.3f}")
     if "resident_median_step_s" in r:

@@ -191,7 +191,7 @@ def _run(model, dev, width, height, steps, seed, resident_layers, resident, cap_
         "first_step_s": times[0], "median_step_s": step, "compute_step_s": compute,
         "streamed_bytes_per_step": streamed_bytes,
         "copy_bandwidth_Bps": (moved / copy_s) if copy_s else None,
-        "compressed_layers": sum(c is not None for c in s.codes),
+        "compressed_layers": sum(c is not None for c in s.codes), "encode_s": s.encode_seconds,
         "pinned_bandwidth_Bps": bw, "bound_s": bound, "ratio_to_bound": step / bound,
         "output_sha256": hashlib.sha256(out.cpu().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest(),
     }

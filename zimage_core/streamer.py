@@ -33,6 +33,7 @@ from __future__ import annotations
 import collections
 import functools
 import math
+import time
 
 import torch
 from torch.utils.hooks import RemovableHandle
@@ -188,6 +189,7 @@ class LayerStreamer:
         self.host = [None] * self.n_layers      # packed host masters (pinned where possible)
         self.codes = [None] * self.n_layers     # the chunks of the masters stored compressed
         self._runs = [None] * self.n_layers     # their runs and tables on the device (``_decode``)
+        self.encode_seconds = 0.0              # spent encoding masters (what compression adds to a first image)
         self.resident = {}                     # layer -> packed device buffer
         self.streamed = list(range(self.n_layers))  # the other layers, in the order they run
         self._index = {i: j for j, i in enumerate(self.streamed)}  # layer -> its place in streamed
@@ -271,10 +273,12 @@ class LayerStreamer:
             part = host[:n].zero_()  # the gaps between matrices too: garbage there would be exceptions
             self.layout.fill(part, self.sources[i], start)
             on_device = part.to(self.device) if dst is None else dst[start:start + n].copy_(part)
+            begin = time.perf_counter()
             base, n_exc, packed = compression.encode(on_device)
             if n_exc > compression.max_exceptions(n):
                 return None
             buf[offset:offset + packed.numel()].copy_(packed)
+            self.encode_seconds += time.perf_counter() - begin  # the copy back waited for the encode
             chunks.append(compression.Chunk(start, n, offset, n_exc, base))
             offset += packed.numel()
         return tuple(chunks)
