@@ -38,7 +38,7 @@ import time
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from . import compression, triton_decode
+from . import compression
 from .config import ZImageConfig
 from .errors import NonFiniteWeights
 from .host_memory import HostPool, advise_mapped
@@ -177,8 +177,9 @@ class LayerStreamer:
         their slot on the device, bit for bit."""
         self.layout, self.device, self.pool = layout, device_of(device), pool
         self.pinned_sources = pinned_sources
-        self.can_compress = (compress and masters and layout.dtype == torch.bfloat16
-                             and (self.device.type != "cuda" or triton_decode.available(self.device)))
+        # where the decode runs on this device is the planner's to ask (``triton_decode.available``),
+        # and only where layers stream
+        self.can_compress = compress and masters and layout.dtype == torch.bfloat16
         self.compress = self.can_compress  # whether new masters are compressed: the plan's (``configure``)
         self.cuda = self.device.type == "cuda"
         self.n_layers = len(sources)

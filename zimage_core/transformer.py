@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import compression, planner
+from . import compression, planner, triton_decode
 from .checkpoint import Checkpoint
 from .config import BIG_KEYS, ZImageConfig
 from .errors import CheckpointError, NonFiniteWeights, OutOfDeviceMemory, ZImageError
@@ -187,26 +187,32 @@ class ZImageTransformer(torch.nn.Module):
 
     def make_plan(self, width, height, batch=1, free_bytes=None) -> planner.Plan:
         free = (self.free_bytes() if free_bytes is None else free_bytes) - self.settings.leave_free
+        mode = self.settings.compress if self.streamer.can_compress else "off"
         if self.device.type == "cpu":
             c = self.chunks(width, height, batch)
             return planner.plan_host(self.cfg, free, width, height, batch, dtype=self.dtype,
-                                     chunk_rows=c.rows, chunk_queries=c.queries, compress=self._compress)
+                                     chunk_rows=c.rows, chunk_queries=c.queries, compress=mode)
+        sizes = dict(storage=self.storage_dtype, dtype=self.dtype)
+        if mode != "on":  # a card that holds every layer: nothing to measure, nothing to compress
+            whole = planner.plan(self.cfg, free, width, height, batch, host_room=self.host_room(), **sizes)
+            if whole.fits and not whole.streamed_layers:
+                return self._capped(whole)
+        if mode != "off" and not (self.device.type == "cuda" and triton_decode.available(self.device)):
+            mode = "off"  # it says why, once
         tokens = self.cfg.image_tokens(width, height) * batch
         if tokens not in self._ratio and self.device.type == "cuda":
-            self._ratio[tokens] = self._measure_ratio(tokens)
+            self._ratio[tokens] = self._measure_ratio(tokens, decode=mode != "off")
         ratio, file_copy, decode = self._ratio.get(tokens, (None, None, 0.0))
-        p = planner.plan(self.cfg, free, width, height, batch, storage=self.storage_dtype, dtype=self.dtype,
-                         compute_copy_ratio=ratio, host_room=self.host_room(), file_copy=file_copy,
-                         compress=self._compress, decode=decode)
+        return self._capped(planner.plan(self.cfg, free, width, height, batch, compute_copy_ratio=ratio,
+                                         host_room=self.host_room(), file_copy=file_copy, compress=mode,
+                                         decode=decode, **sizes))
+
+    def _capped(self, p: planner.Plan) -> planner.Plan:
+        """``p`` under the user's cap on resident layers."""
         cap = self.settings.max_resident
         if cap is not None and p.fits and p.resident_layers > cap:
             p.force(cap, self.host_room())
         return p
-
-    @property
-    def _compress(self) -> str:
-        """The compression setting, where the streamer can compress (bf16 masters, the decode runs)."""
-        return self.settings.compress if self.streamer.can_compress else "off"
 
     def host_room(self) -> int | None:
         """Host bytes the streamed layers' masters may take: those they hold, and what the budget
@@ -383,14 +389,14 @@ class ZImageTransformer(torch.nn.Module):
         if owner in self.streamer.resident:
             layout.region(self.streamer.resident[owner], name).copy_(value)
 
-    def _measure_ratio(self, tokens) -> tuple:
+    def _measure_ratio(self, tokens, decode: bool) -> tuple:
         """Compute time of one layer over upload time of one layer: a matmul and an upload timed on
         this device, the rest is the planner's model. A layer's upload from the file through
         the staging ring over one from a pinned master: a chunk read into the staging buffer (from
         the page cache, or the disk where it is not cached: then more layers are pinned), each
         chunk's read overlapping the previous chunk's upload (None once every layer has a master).
-        And, where masters are compressed, a layer's decode over its upload (a chunk of the
-        matmul's random weights, encoded and decoded here)."""
+        And with ``decode`` (masters may be compressed), a layer's decode over its upload (a chunk
+        of the matmul's random weights, encoded and decoded here)."""
         cfg = self.cfg
         dev = self.device
         x = torch.randn(tokens + 512, cfg.dim, device=dev, dtype=self.dtype)
@@ -413,7 +419,7 @@ class ZImageTransformer(torch.nn.Module):
         upload_s = ev[2].elapsed_time(ev[3]) / 1e3
         ratio = planner.compute_copy_ratio(cfg, x.shape[0], rate, chunks * upload_s)
         s = self.streamer
-        decode = self._decode_s(w) / (chunks * upload_s) if s.can_compress else 0.0
+        decode = self._decode_s(w) / (chunks * upload_s) if decode else 0.0
         unpinned = [i for i in reversed(s.order) if s.host[i] is None]  # the last to become resident first
         if not unpinned:
             return ratio, None, decode
