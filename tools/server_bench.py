@@ -59,6 +59,8 @@ ZLOAD_RE = re.compile(r"Z-Image: loading the transformer")
 # where an image's time goes (the pack's debug lines: --server-arg=--verbose --server-arg=DEBUG)
 PHASES = {"encode_s": re.compile(r"Z-Image: prompt encoded in ([0-9.]+) s"),
           "decode_s": re.compile(r"Z-Image: decoded in ([0-9.]+) s"),
+          "sample_s": re.compile(r"Z-Image: sampled \d+ steps in ([0-9.]+) s"),
+          "step_s": re.compile(r"Z-Image: sampled .* then ([0-9.]+) s a step"),
           "split_s": re.compile(r"Z-Image: split set in ([0-9.]+) s")}
 EVICT_RE = re.compile(r"Z-Image: made room for another model: ([0-9.]+) GiB freed")
 COMFY_LOADS = {"requested": "Requested to load", "completely": "loaded completely", "partially": "loaded partially"}
