@@ -1,7 +1,7 @@
 """Write a small random Qwen3-4B text encoder (the first layers and every norm) and a random Flux AE in the exact key layout that
 ComfyUI's own classes have (built on the meta device, so nothing big is allocated).
 
-    python comfy_te_vae_weights.py COMFYUI_PATH OUT_DIR [--te-layers 2]
+    python comfy_te_vae_weights.py COMFYUI_PATH OUT_DIR [--te-layers 2] [--device cuda]
 
 Writes OUT_DIR/qwen_3_4b.safetensors and OUT_DIR/ae.safetensors (bf16 text encoder, fp32 VAE).
 Values: normalization weights 1 (biases 0), everything else normal * 0.02. They make no pictures:
@@ -21,6 +21,7 @@ def main():
     ap.add_argument("out")
     ap.add_argument("--te-layers", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device", default="cpu", help="where to draw the random numbers (cuda is faster)")
     a = ap.parse_args()
 
     comfy_process.start(a.comfy)
@@ -32,7 +33,7 @@ def main():
     from comfy.text_encoders.llama import Qwen3_4B
 
     os.makedirs(a.out, exist_ok=True)
-    gen = torch.Generator().manual_seed(a.seed)
+    gen = torch.Generator(a.device).manual_seed(a.seed)
 
     def is_norm(key, shape):
         parts = key.split(".")
@@ -41,7 +42,7 @@ def main():
     def value(key, shape, dtype):
         if is_norm(key, shape):
             return (torch.ones if key.endswith("weight") else torch.zeros)(shape, dtype=dtype)
-        return torch.randn(shape, generator=gen, dtype=torch.float32).mul_(0.02).to(dtype)
+        return torch.randn(shape, generator=gen, dtype=torch.float32, device=a.device).mul_(0.02).to("cpu", dtype)
 
     def dump(model, path, dtype, keep=lambda key, shape: True):
         t0 = time.time()
