@@ -183,6 +183,8 @@ def test_auto_compresses_only_where_the_step_gets_shorter():
     assert not at(80, 0.02).compressed and at(80, 0.02) == plan(FULL, int(80 * GiB), 1024, 1024, compute_copy_ratio=0.7)
     assert not at(5.5, 0.5).compressed
     assert not plan(FULL, int(5.5 * GiB), 1024, 1024, compress="auto").compressed  # nothing measured
+    assert "streamed (compressed) (1024x1024)" in at(5.5, 0.02).summary()
+    assert "compressed" not in at(80, 0.02).summary() and "compressed" not in at(5.5, 0.5).summary()
 
 
 def test_bench_compares_compression_off_and_on_in_one_process(tiny_file):

@@ -122,11 +122,13 @@ class Plan:
         self.pinned_host_bytes = self.pinned_layers * self.master_bytes
 
     def sources(self) -> str:
-        """Where the streamed layers come from, when not all from pinned memory: " (16 pinned, 5
-        from the page cache)"."""
-        if not self.file_layers or self.on_cpu:
+        """How the streamed layers come, when not all plain from pinned memory: " (compressed, 16
+        pinned, 5 from the page cache)"."""
+        if self.on_cpu or not self.streamed_layers:
             return ""
-        return f" ({self.pinned_layers} pinned, {self.file_layers} from the page cache)"
+        parts = (["compressed"] if self.compressed else []) + (
+            [f"{self.pinned_layers} pinned, {self.file_layers} from the page cache"] if self.file_layers else [])
+        return f" ({', '.join(parts)})" if parts else ""
 
 
 def _pinned_layers(streamed: int, host_room: int | None, layer_bytes: int) -> int:
