@@ -18,6 +18,8 @@ import logging
 
 import torch
 
+log = logging.getLogger("zimage")
+
 BLOCK = 4096          # weights a program decodes
 PATCH_BLOCK = 1024    # exceptions a program patches
 
@@ -76,8 +78,8 @@ def decode(src: torch.Tensor, rows: torch.Tensor, max_numel: int, max_exc: int, 
 
 @functools.cache
 def available(device: torch.device) -> bool:
-    """Whether the kernels run on this CUDA device: they are compiled and checked once, on every
-    bf16 bit pattern, against the reference decode; the console says once why not, if not."""
+    """Whether the kernels run on this CUDA device: they are compiled once and must give back every
+    bf16 bit pattern that was encoded; if not, the console says once why."""
     from . import compression
     try:
         every = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
@@ -90,7 +92,7 @@ def available(device: torch.device) -> bool:
         reason = "its decode did not give back the same bits"
     except Exception as e:  # no Triton, no compiler, an unsupported GPU: all mean the same here
         reason = f"{type(e).__name__}: {e}"
-    logging.warning("Z-Image: compressed streaming is off on %s (%s); layers stream as plain bf16. "
+    log.warning("Z-Image: compressed streaming is off on %s (%s); layers stream as plain bf16. "
                     "It needs Triton (Linux: ships with torch; Windows: pip install triton-windows).",
                     device, reason.splitlines()[0][:200])
     return False
