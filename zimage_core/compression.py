@@ -20,6 +20,8 @@ device that computes (a CPU takes seconds a layer).
 """
 from __future__ import annotations
 
+import functools
+import logging
 import os
 import statistics
 from dataclasses import dataclass
@@ -28,6 +30,8 @@ import torch
 
 from . import triton_decode
 from .errors import SettingError
+
+log = logging.getLogger("zimage")
 
 CHUNK = 8 << 20  # elements of one chunk (16 MiB of bf16): a chunk is the unit of a base and of encoding
 # bytes of one upload of consecutive chunks, decoded in one launch: few launches a layer (each
@@ -227,3 +231,24 @@ def decode_seconds(chunks, packed: torch.Tensor, dst: torch.Tensor, repeats: int
         end.synchronize()
         times.append(start.elapsed_time(end) / 1e3)
     return statistics.median(times)
+
+
+@functools.cache
+def decodes_on(device: torch.device) -> bool:
+    """Whether the device decode (``triton_decode``) runs on this CUDA device: the kernels are
+    compiled once and must give back every bf16 bit pattern that was encoded; if not, the console
+    says once why."""
+    try:
+        flat = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).to(device)
+        chunks, packed = encode_all(flat)
+        out = torch.empty_like(flat)
+        decode_all(chunks, packed, out)
+        if torch.equal(out.view(torch.int16), flat.view(torch.int16)):
+            return True
+        reason = "its decode did not give back the same bits"
+    except Exception as e:  # no Triton, no compiler, an unsupported GPU: all mean the same here
+        reason = f"{type(e).__name__}: {e}"
+    log.warning("Z-Image: compressed streaming is off on %s (%s); layers stream as plain bf16. "
+                "It needs Triton (Linux: ships with torch; Windows: pip install triton-windows).",
+                device, reason.splitlines()[0][:200])
+    return False

@@ -177,7 +177,7 @@ class LayerStreamer:
         their slot on the device, bit for bit."""
         self.layout, self.device, self.pool = layout, device_of(device), pool
         self.pinned_sources = pinned_sources
-        # where the decode runs on this device is the planner's to ask (``triton_decode.available``),
+        # where the decode runs on this device is the planner's to ask (``compression.decodes_on``),
         # and only where layers stream
         self.can_compress = compress and masters and layout.dtype == torch.bfloat16
         self.compress = self.can_compress  # whether new masters are compressed: the plan's (``configure``)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import compression, planner, triton_decode
+from . import compression, planner
 from .checkpoint import Checkpoint
 from .config import BIG_KEYS, ZImageConfig
 from .errors import CheckpointError, NonFiniteWeights, OutOfDeviceMemory, ZImageError
@@ -197,7 +197,7 @@ class ZImageTransformer(torch.nn.Module):
             whole = planner.plan(self.cfg, free, width, height, batch, host_room=self.host_room(), **sizes)
             if whole.fits and not whole.streamed_layers:
                 return self._capped(whole)
-        if mode != "off" and not (self.device.type == "cuda" and triton_decode.available(self.device)):
+        if mode != "off" and not (self.device.type == "cuda" and compression.decodes_on(self.device)):
             mode = "off"  # it says why, once
         tokens = self.cfg.image_tokens(width, height) * batch
         if tokens not in self._ratio and self.device.type == "cuda":

@@ -8,17 +8,14 @@ needs, and the step slowed down (an H200 at 5.5 GiB: 202 ms instead of 160). Thi
 the compressed bytes and one write of the slot, in two launches a run.
 
 Triton ships with torch's CUDA builds on Linux (on Windows it is the optional ``triton-windows``
-wheel). Where it does not import or compile, ``available`` says no and masters are not
-compressed: the reference decode in ``compression`` stays the CPU's.
+wheel). Where it does not import or compile, ``compression.decodes_on`` says no and masters are
+not compressed: the reference decode in ``compression`` stays the CPU's.
 """
 from __future__ import annotations
 
 import functools
-import logging
 
 import torch
-
-log = logging.getLogger("zimage")
 
 BLOCK = 4096          # weights a program decodes
 PATCH_BLOCK = 1024    # exceptions a program patches
@@ -74,25 +71,3 @@ def decode(src: torch.Tensor, rows: torch.Tensor, max_numel: int, max_exc: int, 
     weights[(-(-max_numel // BLOCK), rows.shape[0])](src, rows, out, ALIGNED=aligned, BLOCK=BLOCK)
     if max_exc:
         exceptions[(-(-max_exc // PATCH_BLOCK), rows.shape[0])](src, rows, out, BLOCK=PATCH_BLOCK)
-
-
-@functools.cache
-def available(device: torch.device) -> bool:
-    """Whether the kernels run on this CUDA device: they are compiled once and must give back every
-    bf16 bit pattern that was encoded; if not, the console says once why."""
-    from . import compression
-    try:
-        every = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
-        flat = every.to(device)
-        chunks, packed = compression.encode_all(flat)
-        out = torch.empty_like(flat)
-        compression.decode_all(chunks, packed, out)
-        if torch.equal(out.view(torch.int16), flat.view(torch.int16)):
-            return True
-        reason = "its decode did not give back the same bits"
-    except Exception as e:  # no Triton, no compiler, an unsupported GPU: all mean the same here
-        reason = f"{type(e).__name__}: {e}"
-    log.warning("Z-Image: compressed streaming is off on %s (%s); layers stream as plain bf16. "
-                    "It needs Triton (Linux: ships with torch; Windows: pip install triton-windows).",
-                    device, reason.splitlines()[0][:200])
-    return False
