@@ -70,3 +70,37 @@ def test_the_switch_reads_off_on_and_auto_and_refuses_the_rest(monkeypatch):
     monkeypatch.setenv("ZIMAGE_COMPRESSION", "fast")
     with pytest.raises(SettingError, match="ZIMAGE_COMPRESSION is 'fast': set it to auto"):
         compression.compression_setting()
+
+
+_KERNELS_ON_THE_CPU = """
+import sys, torch
+from zimage_core import compression, triton_decode
+compression.CHUNK, compression.GROUP_BYTES = 30000, 100000
+g = torch.Generator().manual_seed(0)
+w = (torch.randn(200_003, generator=g) * 0.02).to(torch.bfloat16)
+w[::97] = 0
+w[5::1009] = 30.0
+w[:65536] = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+chunks, packed = compression.encode_all(w)
+out = torch.zeros_like(w)
+runs = compression.groups(chunks)
+for run in runs:
+    first, nbytes = run[0].offset, sum(c.nbytes for c in run)
+    triton_decode.decode(packed[first:first + nbytes], compression.table(run, "cpu"), max(c.numel for c in run),
+                         max(c.n_exc for c in run), out, aligned=all(c.start % 16 == 0 and c.numel % 16 == 0 for c in run))
+assert 1 < len(runs) < len(chunks) and any(c.numel % 16 for c in chunks)
+sys.exit(0 if torch.equal(out.view(torch.int16), w.view(torch.int16)) else 1)
+"""
+
+
+def test_the_device_kernels_give_back_every_bit_in_tritons_interpreter():
+    """The Triton kernels, run by Triton's interpreter on the CPU (where Triton is installed: the
+    GPU test runs them compiled), on runs of chunks with and without wide loads."""
+    pytest.importorskip("triton", reason="Triton is not installed (it comes with torch's CUDA builds)")
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, "-c", _KERNELS_ON_THE_CPU], cwd=root, capture_output=True, text=True,
+                       env={**os.environ, "TRITON_INTERPRET": "1"}, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
