@@ -59,9 +59,10 @@ class PinnedPatcher(comfy.model_patcher.ModelPatcher):
 
 
 def run_dtypes(entries) -> list:
-    """Per ``module_tensors`` entry, the dtype ComfyUI runs the tensor in: v0.28 assigns the file's
-    tensors to the model (an fp32 VAE file stays fp32 in memory) and casts each to the dtype it
-    archived for it (``<name>_comfy_model_dtype``) as it loads it; None where it archived none."""
+    """Per ``module_tensors`` entry, the dtype ComfyUI runs the tensor in: with Dynamic VRAM
+    (v0.20, v0.28) it assigns the file's tensors to the model (an fp32 VAE file stays fp32 in
+    memory) and casts each to the dtype it archived for it (``<name>_comfy_model_dtype``) as it
+    loads it; None where it archived none."""
     return [getattr(m, f"{name}_comfy_model_dtype", None) for m, _, name in entries]
 
 

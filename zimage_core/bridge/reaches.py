@@ -110,10 +110,10 @@ def reaches() -> list:
               lambda: None if not hasattr(mp.ModelPatcher, "pinned_memory_size") else
               _methods(mp.ModelPatcher, pinned_memory_size=()), "v0.20.1, v0.28.0"),
         Reach("The dtype a model runs each tensor in, archived as <name>_comfy_model_dtype by "
-              "model_management.archive_model_dtypes (v0.28 loads the file's tensors as they are; absent "
-              "before)", "pinned.py: run_dtypes",
+              "model_management.archive_model_dtypes (with Dynamic VRAM the file's tensors are loaded as "
+              "they are; absent in v0.8)", "pinned.py: run_dtypes",
               lambda: _source_mentions(mm.archive_model_dtypes, "_comfy_model_dtype")
-              if hasattr(mm, "archive_model_dtypes") else None, "v0.28.0"),
+              if hasattr(mm, "archive_model_dtypes") else None, "v0.20.1, v0.28.0"),
         Reach("The RAM-pressure cache's headroom, comfy.memory_management.RAM_CACHE_HEADROOM (absent in v0.8)",
               "memory.py: _ram_cache_headroom",
               lambda: _optional("comfy.memory_management", "RAM_CACHE_HEADROOM"), "v0.20.1, v0.28.0"),
