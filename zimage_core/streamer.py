@@ -408,7 +408,7 @@ class LayerStreamer:
 
     @property
     def device_bytes(self) -> int:
-        return (self.n_resident + len(self.slots)) * self.layout.nbytes
+        return (self.n_resident + len(self.slots)) * self.layout.nbytes + len(self._packed) * compression.GROUP_BYTES
 
     def _empty(self):
         return torch.empty(self.layout.numel, dtype=self.layout.dtype, device=self.device)
@@ -434,6 +434,8 @@ class LayerStreamer:
             self._promoting.pop(i, None)
         del self.slots[n_slots:]
         del self._ready[n_slots:], self._free[n_slots:]
+        if not n_slots:
+            self._packed = []  # the decode's buffers serve the streamed layers (a promotion makes them again)
         self.streamed = [i for i in range(self.n_layers) if i not in keep]
         self._index = {i: j for j, i in enumerate(self.streamed)}
         self.drop_queued()
