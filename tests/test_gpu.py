@@ -108,6 +108,10 @@ def test_compressed_masters_are_bit_identical_on_cuda(tiny_file, monkeypatch):
             assert torch.equal(euler_sample(m, x.cuda(), ctx.cuda(), steps=4), ref), (r, slots)
     s = m.streamer
     assert all(c is not None and len(c) > 2 for c in s.codes) and all(h.is_pinned() for h in s.host)
+    s.configure(1, 1)
+    assert s.device_bytes == 2 * s.layout.nbytes + 2 * compression.GROUP_BYTES  # the decode's buffers count
+    s.configure(0, 0)
+    assert s.device_bytes == 0  # and go with the last slot
     m.release()
     assert host_memory.live_bytes() == before
 
