@@ -196,8 +196,8 @@ class LayerStreamer:
         self._index = {i: j for j, i in enumerate(self.streamed)}  # layer -> its place in streamed
         self.slots = []
         self.copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
-        # compressed uploads: a chunk's bytes cross on the copy stream into one of two device buffers
-        # while the previous chunk is decoded into the slot on this stream. Its priority is high:
+        # compressed uploads: a run of chunks crosses on the copy stream into one of two device
+        # buffers while the previous run is decoded into the slot on this stream. Its priority is high:
         # a decode is a few microseconds of work that would otherwise queue behind the step's
         # matrix kernels while the copy stream waits for its buffer
         self.decode_stream = (torch.cuda.Stream(self.device, priority=-1)
