@@ -230,12 +230,12 @@ class ComfyClient:
         return self.log_text()[-chars:]
 
 
-def start_server(base_dir, flags=(), python=None, timeout=START_TIMEOUT, log_name=None, env=None):
-    """Start `main.py --cpu` on a free port with `base_dir` (and ``env`` on top of this process's
-    environment); returns a ComfyClient once /object_info answers."""
+def start_server(base_dir, flags=(), python=None, timeout=START_TIMEOUT, log_name=None, env=None, cpu=True):
+    """Start `main.py --cpu` (without ``cpu``: on the GPU) on a free port with `base_dir` (and
+    ``env`` on top of this process's environment); returns a ComfyClient once /object_info answers."""
     port = free_port()
     log_path = os.path.join(base_dir, log_name or f"comfyui-{port}.log")
-    cmd = [python or sys.executable, "main.py", "--cpu", "--listen", "127.0.0.1", "--port", str(port),
+    cmd = [python or sys.executable, "main.py", *(["--cpu"] if cpu else []), "--listen", "127.0.0.1", "--port", str(port),
            "--disable-auto-launch", "--base-directory", base_dir,
            "--database-url", f"sqlite:///{os.path.join(base_dir, 'user', 'comfyui.db')}", *flags]
     env = dict(os.environ, PYTHONUNBUFFERED="1", MALLOC_PERTURB_="255", **(env or {}))

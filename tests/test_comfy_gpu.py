@@ -1,0 +1,52 @@
+"""The pack's workflow and the official template through a real ComfyUI server on the GPU, with
+ComfyUI's Dynamic VRAM on and off where the version has it (v0.20.1, v0.28.0; v0.8.0 has only the
+classic loader). Skipped without CUDA.
+
+Dynamic VRAM changes how ComfyUI holds the other models' weights (the file's own tensors, cast as
+they load), which is where the pack's text encoder and VAE meet ComfyUI: a VAE decode that failed
+only on a GPU with Dynamic VRAM went unseen by the CPU suites. The images are compared with the
+official template's, and the difference is printed; on the GPU the two use different attention
+kernels in bf16, so the bound here is loose (the CPU suite asserts identical images).
+"""
+import os
+
+import pytest
+import torch
+
+from comfy_env import COMFYUI_PATH, comfyui_version, needs_comfyui
+from comfy_server import server_flags, start_server, stop_server
+from test_comfy_server import image_stats, node_of, official_template, pack_workflow
+
+pytestmark = [needs_comfyui, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+# mean absolute pixel difference (0-255) allowed between the pack's image and the official one
+GPU_PARITY_MEAN = 8.0
+
+
+def _has_dynamic_vram() -> bool:
+    with open(os.path.join(COMFYUI_PATH or "", "comfy", "cli_args.py")) as f:
+        return "--disable-dynamic-vram" in f.read()
+
+
+@pytest.mark.parametrize("dynamic", ["on", "off"])
+def test_the_pack_on_the_gpu_matches_the_official_template(comfy_base_dir, dynamic):
+    if dynamic == "on" and not _has_dynamic_vram():
+        pytest.skip(f"ComfyUI {comfyui_version()} has no Dynamic VRAM")
+    flags = server_flags() + (["--disable-dynamic-vram"] if dynamic == "off" and _has_dynamic_vram() else [])
+    client = start_server(comfy_base_dir, flags, cpu=False, log_name=f"comfyui-gpu-dynamic-{dynamic}.log")
+    try:
+        official = client.run(official_template(prefix=f"gpu_official_{dynamic}"))
+        ref, _ = image_stats(client.image(official, "10"))
+        for i in range(2):  # the second image: the models come back after the first one's evictions
+            wf = pack_workflow(prefix=f"gpu_pack_{dynamic}_{i}")
+            ours, stats = image_stats(client.image(client.run(wf), node_of(wf, "SaveImage")))
+            diff = abs(ours - ref)
+            print(f"\nComfyUI {comfyui_version()} on the GPU, Dynamic VRAM {dynamic}, image {i + 1}: pack vs "
+                  f"official largest pixel difference {int(diff.max())}, mean {diff.mean():.3f}; pack {stats}")
+            assert ref.std() > 1.0 and ours.std() > 1.0, "a flat image: the comparison would prove nothing"
+            assert diff.mean() <= GPU_PARITY_MEAN
+        log = client.log_text()
+        assert "Traceback" not in log, log[-6000:]
+        assert "layers on the GPU" in log  # the pack streamed on the GPU, not on the CPU
+    finally:
+        stop_server(client)
