@@ -11,7 +11,8 @@ few values: the magnitudes of one layer span a few binades. So each weight is st
 
 That is 12 bits a weight plus 5 bytes an exception: 0.75 of bf16 when exceptions are rare. A fixed
 width code keeps the decode a handful of elementwise byte operations (no table, no bit stream): a
-CUDA device runs them as one Triton pass over the chunk (``triton_decode``), the CPU as torch ops.
+CUDA device runs them in two Triton kernels over a run of chunks (``triton_decode``), the CPU as
+torch ops.
 
 The format is chunked (``CHUNK`` elements a chunk, each with its own base), so a chunk's compressed
 bytes can be uploaded into a small device buffer and decoded into its part of the slot while the

@@ -44,11 +44,6 @@ class HostRoom:
     fixed: int       # the transformer's fixed part and its staging ring
     layers: int      # what is left for the streamed layers' masters (the rest keeps files cached)
 
-    @property
-    def compressed(self) -> bool:
-        """Streamed layers get compressed masters (``compression``)."""
-        return self.master_bytes < self.layer_bytes
-
     def as_dict(self):
         return asdict(self)
 
@@ -301,11 +296,19 @@ def pinned_needed(n_layers, resident, slots, costs, fixed, file_copy: float, mas
     streamed = n_layers - resident
     best = simulate_step(n_layers, resident, slots, costs, master_copy, fixed, decode=decode)
     for pinned in range(streamed):
-        copy = [master_copy] * pinned + [file_copy] * (streamed - pinned)
-        decodes = [decode] * pinned + [0.0] * (streamed - pinned)
-        if simulate_step(n_layers, resident, slots, costs, copy, fixed, decode=decodes) <= best * 1.01:
+        if _step_with_pinned(n_layers, resident, slots, costs, fixed, pinned, file_copy, master_copy,
+                            decode) <= best * 1.01:
             return pinned
     return streamed
+
+
+def _step_with_pinned(n_layers, resident, slots, costs, fixed, pinned, file_copy, master_copy=1.0, decode=0.0):
+    """``simulate_step`` with the first ``pinned`` streamed layers uploaded from masters (each
+    ``master_copy`` of a plain upload, and ``decode`` on the device) and the rest read plain from
+    the page cache at ``file_copy``."""
+    rest = n_layers - resident - pinned
+    return simulate_step(n_layers, resident, slots, costs, [master_copy] * pinned + [file_copy] * rest, fixed,
+                         decode=[decode] * pinned + [0.0] * rest)
 
 
 def plan(cfg: ZImageConfig, free_bytes: int, width: int, height: int, batch: int = 1,
@@ -375,9 +378,7 @@ def _plan(cfg, free_bytes, width, height, batch, storage, dtype, compute_copy_ra
     pinned = min(needed, _pinned_layers(streamed, host_room, master))
     step = None
     if fits and compute_copy_ratio is not None:
-        rest = streamed - pinned  # read from the page cache, plain, at every upload
-        step = simulate_step(n, r, k, costs, [master_copy] * pinned + [file_copy or 1.0] * rest, before,
-                             decode=[decode] * pinned + [0.0] * rest) if streamed else sum(costs) + before
+        step = _step_with_pinned(n, r, k, costs, before, pinned, file_copy or 1.0, master_copy, decode)
     return Plan(width, height, batch, free_bytes, r if fits else 0, streamed, k if fits else 0,
                 layer, fixed, act, fixed + act + (r + k) * layer if fits else 0, pinned * master, fits,
                 needed_bytes=need(width, height),
