@@ -45,7 +45,8 @@ def test_the_pack_on_the_gpu_matches_the_official_template(comfy_base_dir, dynam
                   f"official largest pixel difference {int(diff.max())}, mean {diff.mean():.3f}; pack {stats}")
             assert ref.std() > 1.0 and ours.std() > 1.0, "a flat image: the comparison would prove nothing"
             assert diff.mean() <= GPU_PARITY_MEAN
-        log = client.log_text()
+        # from the first prompt on: a trimmed ComfyUI may fail to import some of its own optional nodes
+        log = client.log_text().split("got prompt", 1)[-1]
         assert "Traceback" not in log, log[-6000:]
         assert "layers on the GPU" in log  # the pack streamed on the GPU, not on the CPU
     finally:

@@ -57,11 +57,28 @@ def test_evict_and_promote_keep_output(model):
     x, t, ctx = inputs(TINY)
     layer = model.streamer.layout.nbytes
     freed = model.evict(2 * layer)
-    assert freed >= 2 * layer - layer  # eviction may add slots for the first streamed layer
-    assert model.streamer.n_resident < TINY.n_blocks
-    assert torch.equal(model(x, t, ctx), ref)
+    assert freed == 2 * layer and model.streamer.n_resident == TINY.n_blocks - 2
+    assert torch.equal(model(x, t, ctx), ref)  # plans again: streamed layers without slots
     model.prepare(64, 48, resident_layers=TINY.n_blocks)  # memory came back: promote
     assert model.streamer.n_resident == TINY.n_blocks
+    assert torch.equal(model(x, t, ctx), ref)
+
+
+def test_evict_gives_the_slots_first(model):
+    """Another model's room comes from the slots before any resident layer: they hold nothing
+    that must cross the bus again."""
+    model.prepare(64, 48, resident_layers=2)
+    slots = len(model.streamer.slots)
+    assert slots >= 2
+    layer = model.streamer.layout.nbytes
+    assert model.evict(1) == slots * layer
+    assert (model.streamer.n_resident, len(model.streamer.slots)) == (2, 0)
+    assert model.evict(layer) == layer and model.streamer.n_resident == 1
+    x, t, ctx = inputs(TINY)
+    model.prepare(64, 48, resident_layers=TINY.n_blocks)
+    ref = model(x, t, ctx)
+    model.prepare(64, 48, resident_layers=1)
+    model.evict(1)
     assert torch.equal(model(x, t, ctx), ref)
 
 
@@ -363,11 +380,17 @@ def test_streamed_layers_the_plan_leaves_in_the_file_get_no_master(tiny_file):
     m.release()
 
 
-def test_compressed_masters_stream_the_same_bits_at_every_split(tiny_file):
+@pytest.mark.parametrize("small_chunks", [False, True])
+def test_compressed_masters_stream_the_same_bits_at_every_split(tiny_file, monkeypatch, small_chunks):
     """With ``compress`` the streamed layers' masters are stored compressed (0.75-0.78 of their bytes)
     and decoded into the slot at every upload: the output is the uncompressed model's, bit for
-    bit, whatever the split; a weight patch still reaches a compressed layer."""
-    from zimage_core import compression
+    bit, whatever the split; a weight patch still reaches a compressed layer. ``small_chunks``: a
+    layer is encoded through both staging buffers, several chunks each (a full-size layer's
+    shape: 22 chunks in 6 buffers)."""
+    from zimage_core import compression, streamer
+    if small_chunks:
+        monkeypatch.setattr(compression, "CHUNK", 4096)
+        monkeypatch.setattr(streamer, "STAGING_CHUNK", 3 * 4096 * 2)
     x, t, ctx = inputs(TINY)
     before = host_memory.live_bytes()
     plain = ZImageTransformer.load(tiny_file, device="cpu", dtype="bf16")
@@ -380,6 +403,9 @@ def test_compressed_masters_stream_the_same_bits_at_every_split(tiny_file):
             assert torch.equal(m(x, t, ctx), ref)
         s = m.streamer
         assert all(c is not None for c in s.codes) and s.master_layers == TINY.n_blocks
+        assert len(s.codes[0]) == -(-s.layout.numel // compression.CHUNK)
+        if small_chunks:
+            assert len(s._staging) == 2 and s.chunk == 3 * 4096 < s.layout.numel / 2
         bound = compression.bound(s.layout.numel)
         assert all(h.dtype == torch.uint8 and h.numel() == bound for h in s.host) and bound < 0.78 * s.layout.nbytes
         key = "layers.1.feed_forward.w2.weight"  # layer 1 streamed, its master compressed

@@ -21,10 +21,10 @@ device that computes (a CPU takes seconds a layer).
 """
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import statistics
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -234,11 +234,28 @@ def decode_seconds(chunks, packed: torch.Tensor, dst: torch.Tensor, repeats: int
     return statistics.median(times)
 
 
-@functools.cache
+_checked = {}  # device -> whether the device decode runs there
+_checking = threading.Lock()
+
+
 def decodes_on(device: torch.device) -> bool:
     """Whether the device decode (``triton_decode``) runs on this CUDA device: the kernels are
     compiled once and must give back every bf16 bit pattern that was encoded; if not, the console
-    says once why."""
+    says once why. A caller on any thread waits for the answer of a check already under way."""
+    with _checking:
+        if device not in _checked:
+            _checked[device] = _check(device)
+        return _checked[device]
+
+
+def check_soon(device: torch.device):
+    """Start ``decodes_on``'s check on a thread of its own. Compiling the kernels takes a second or
+    more (from Triton's cache on disk, a few tenths): started where a model that will stream is
+    loaded, it runs while the prompt is encoded instead of before the first step."""
+    threading.Thread(target=decodes_on, args=(device,), name="zimage-decode-check", daemon=True).start()
+
+
+def _check(device: torch.device) -> bool:
     try:
         flat = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).to(device)
         chunks, packed = encode_all(flat)

@@ -319,6 +319,9 @@ class HostPool:
             except RuntimeError:  # no host memory left
                 return None
             if self.pin:
+                # the pages faulted in on every core first: the registration faults them in one at
+                # a time (a 354 MB layer took 130 ms on the H200's host, 2.7 GB/s)
+                buf.zero_()
                 if not _host_register(buf):  # the OS has no more lockable memory
                     return None
                 _pins += 1

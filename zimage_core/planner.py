@@ -201,6 +201,15 @@ def plan_host(cfg: ZImageConfig, free_bytes: int, width: int, height: int, batch
                 largest_fitting=None if fits else _largest_fitting(width, height, lambda w, h: need(w, h) <= free_bytes))
 
 
+def room_for_another(resident: int, slots: int) -> tuple | None:
+    """The split after giving one more piece of device memory to another model, while this one does
+    not run: its slots first (they hold nothing that must be uploaded again, and the next plan
+    makes them anew), then its resident layers one at a time; None when none is left."""
+    if slots:
+        return resident, 0
+    return (resident - 1, 0) if resident else None
+
+
 def one_layer_less(resident: int, slots: int) -> tuple | None:
     """The split after giving back one layer's worth of device memory (to another model, or after an
     out-of-memory error), or None when nothing is left to give. The first layer to stream needs

@@ -31,6 +31,7 @@ short pause that two slots cover, so the memory of extra slots goes to resident 
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import functools
 import math
 import time
@@ -54,6 +55,9 @@ ALIGN = 256  # bytes; every matrix starts on the same alignment in every buffer
 # Z-Image, 0.38 for Qwen3-4B).
 STAGING_CHUNK = 64 << 20  # bytes
 STAGING_BUFFERS = 2
+# a master's encode reads the next staging buffer from the file on this thread while the device
+# encodes the last one (one thread: the reads themselves run on the file's reader threads)
+_READER = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="zimage-prefill")
 
 
 def staging_chunk(layout) -> int:
@@ -261,27 +265,49 @@ class LayerStreamer:
         return True
 
     def _encode(self, i, buf, dst=None) -> tuple | None:
-        """Layer i compressed into ``buf``, a chunk at a time: read from its source into a staging
-        buffer, copied to the device (into ``dst`` where given, which then holds the layer), encoded
-        there (a CPU takes seconds a layer), the bytes copied back. The chunks, or None where one
-        has more exceptions than the master was sized for."""
+        """Layer i compressed into ``buf``, a staging buffer at a time: read from its source (on the
+        reading thread, the next buffer while this one is encoded), copied to the device (into
+        ``dst`` where given, which then holds the layer), encoded there a chunk at a time (a CPU
+        takes seconds a layer), the bytes copied back. The chunks, or None where one has more
+        exceptions than the master was sized for."""
         self._make_staging()
-        host, done = self._staging[0]
-        if done is not None:
-            done.synchronize()  # its last upload has left it
+        ring = [host for host, _ in self._staging]
+        for _, done in self._staging:
+            if done is not None:
+                done.synchronize()  # its last upload has left it
+        per = max(compression.CHUNK, self.chunk // compression.CHUNK * compression.CHUNK)  # whole chunks a buffer
+        inference = torch.is_inference_mode_enabled()  # per thread: the ring may be inference tensors
+        spans = [(start, min(per, self.layout.numel - start)) for start in range(0, self.layout.numel, per)]
+
+        def read(k):
+            start, n = spans[k]
+            with torch.inference_mode(inference):
+                part = ring[k % len(ring)][:n].zero_()  # the gaps between matrices too: garbage there would be exceptions
+                self.layout.fill(part, self.sources[i], start)
+            return part
+
         chunks, offset = [], 0
-        for start, n in compression.pieces(self.layout.numel):
-            part = host[:n].zero_()  # the gaps between matrices too: garbage there would be exceptions
-            self.layout.fill(part, self.sources[i], start)
-            on_device = part.to(self.device) if dst is None else dst[start:start + n].copy_(part)
-            begin = time.perf_counter()
-            base, n_exc, packed = compression.encode(on_device)
-            if n_exc > compression.max_exceptions(n):
-                return None
-            buf[offset:offset + packed.numel()].copy_(packed)
-            self.encode_seconds += time.perf_counter() - begin  # the copy back waited for the encode
-            chunks.append(compression.Chunk(start, n, offset, n_exc, base))
-            offset += packed.numel()
+        pending = _READER.submit(read, 0)
+        try:
+            for k, (start, n) in enumerate(spans):
+                part = pending.result()
+                # with one buffer only, the next read waits for this one's copy to the device
+                pending = _READER.submit(read, k + 1) if k + 1 < len(spans) and len(ring) > 1 else None
+                on_device = part.to(self.device) if dst is None else dst[start:start + n].copy_(part)
+                if pending is None and k + 1 < len(spans):
+                    pending = _READER.submit(read, k + 1)
+                begin = time.perf_counter()
+                for a, m in compression.pieces(n):
+                    base, n_exc, packed = compression.encode(on_device[a:a + m])
+                    if n_exc > compression.max_exceptions(m):
+                        return None
+                    buf[offset:offset + packed.numel()].copy_(packed)
+                    chunks.append(compression.Chunk(start + a, m, offset, n_exc, base))
+                    offset += packed.numel()
+                self.encode_seconds += time.perf_counter() - begin  # the copies back waited for the encode
+        finally:
+            if pending is not None:
+                pending.exception()  # no read into the ring outlives this call
         return tuple(chunks)
 
     def _plain(self, i):
@@ -317,6 +343,7 @@ class LayerStreamer:
         ``master`` (a streamed layer) the layer first gets a master if it keeps them and the pool
         has room."""
         if self.host[i] is None and master and self.masters and self.master_layers < self.n_streamed - self.from_file:
+            self._read_ahead_next(i)
             if self._make_master(i, dst) and self.codes[i] is not None:
                 return  # encoded from ``dst``, which holds the layer already
         if self.codes[i] is not None:
@@ -391,6 +418,13 @@ class LayerStreamer:
             else:
                 dst[start:start + n].copy_(buf[:n], non_blocking=True)
                 done.record(torch.cuda.current_stream(self.device))
+
+    def _read_ahead_next(self, i):
+        """While layer i gets its master (the first forward), the OS reads the next streamed layer
+        from the disk, so the reads go on while layer i is pinned and encoded."""
+        j = self._index.get(i)
+        if j is not None and j + 1 < len(self.streamed):
+            self._read_ahead(self.streamed[j + 1])
 
     def _read_ahead(self, i):
         if self.host[i] is None:

@@ -113,6 +113,8 @@ class ZImageTransformer(torch.nn.Module):
             # while it computes, from one host master per dtype
             fixed = DeviceCopies(module_tensors(model), dev, pool)
             t = cls(model, streamer, ckpt, fixed, settings, check_interrupt)
+            if streamer.can_compress and dev.type == "cuda" and t.total_bytes > planner.device_free_bytes(dev):
+                compression.check_soon(streamer.device)  # it will stream: the plan asks whether the decode runs here
             if home == dev:
                 t.to_device()
             return t
@@ -304,12 +306,16 @@ class ZImageTransformer(torch.nn.Module):
             self._status_to = None
 
     def evict(self, nbytes: int) -> int:
-        """Free at least ``nbytes`` of device memory: resident layers (the last of
-        ``residency_order`` first), then the slots, then the fixed part. Nothing is copied back: a
-        layer comes back from its master or the file. Returns bytes freed."""
+        """Free at least ``nbytes`` of device memory for another model (``planner.room_for_another``:
+        the slots, then resident layers, the last of ``residency_order`` first), then the fixed
+        part. Nothing is copied back: a layer comes back from its master or the file. Returns bytes
+        freed."""
         start = self.device_bytes()
-        while start - self.device_bytes() < nbytes and self._evict_one():
-            pass
+        while start - self.device_bytes() < nbytes:
+            less = planner.room_for_another(self.streamer.n_resident, len(self.streamer.slots))
+            if less is None:
+                break
+            self.streamer.configure(*less)
         if start - self.device_bytes() < nbytes:
             self.offload()
         freed = start - self.device_bytes()
@@ -441,7 +447,7 @@ class ZImageTransformer(torch.nn.Module):
     def forward(self, x, timesteps, context, num_tokens=None, attention_mask=None, transformer_options={}, **kw):
         self.to_device()
         if self.plan is None or (self.plan.width, self.plan.height, self.plan.batch) != (
-                x.shape[-1] * 8, x.shape[-2] * 8, x.shape[0]) or not (self.streamer.n_resident or self.streamer.slots):
+                x.shape[-1] * 8, x.shape[-2] * 8, x.shape[0]) or (self.streamer.n_streamed and not self.streamer.slots):
             self.prepare(x.shape[-1] * 8, x.shape[-2] * 8, x.shape[0])
         if not self._fixed_checked:
             self._check_fixed()
