@@ -8,13 +8,16 @@ simulated cards and (optionally) a simulated smaller host RAM. Standard library 
         [--pipelines pack,official] [--dynamic on|off] [--env ZIMAGE_PINNED_GIB=8] [--json out.json]
 
 --weights DIR holds z_image_turbo_bf16.safetensors (or --unet NAME), qwen_3_4b.safetensors and
-ae.safetensors. Per card, per pipeline: start the ballasts, start `main.py` on a free port with a
-temporary base directory (this repository linked into custom_nodes/, the weights linked into
-models/), post --images prompts (a new prompt text each, so the text encoder runs every time),
-stop the server, stop the ballasts. Time per image is the executor's own, from the history
-entry's execution_start to execution_success. Each server's log is kept; its path is printed. With
---server-arg=--verbose --server-arg=DEBUG each image's row also says where the pack's time went
-(encode, decode, split set) and how much it evicted to make room for the other models.
+ae.safetensors. Per card, per pipeline: read the weight files once (every server starts with them
+in the page cache as far as the RAM holds them, not with what the server before it left there),
+start the ballasts, start `main.py` on a free port with a temporary base directory (this
+repository linked into custom_nodes/, the weights linked into models/), post --images prompts (a
+new prompt text each, so the text encoder runs every time), stop the server, stop the ballasts.
+Time per image is the executor's own, from the history entry's execution_start to
+execution_success. Each server's log is kept, every line stamped with the seconds since the server
+started; its path is printed. With --server-arg=--verbose --server-arg=DEBUG each image's row also
+says where the pack's time went (encode, sample, decode, split set) and how much it evicted to make
+room for the other models.
 
 Simulated machine:
   --card GIB     leave GIB of GPU memory free (tools/ballast.py, needs torch+CUDA in --python);
@@ -37,6 +40,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -88,9 +92,18 @@ def _child_setup():
 
 
 def spawn(cmd, log_path, env=None, cwd=None):
-    with open(log_path, "ab") as log:
-        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd,
-                                preexec_fn=_child_setup)
+    """Start ``cmd`` with its output in ``log_path``, each line stamped with the seconds since the
+    start (ComfyUI's own lines carry no time: the stamps show where an image's seconds went)."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, cwd=cwd,
+                            preexec_fn=_child_setup)
+    threading.Thread(target=_stamp, args=(proc.stdout, log_path, time.monotonic()), daemon=True).start()
+    return proc
+
+
+def _stamp(out, log_path, start):
+    with out, open(log_path, "ab", buffering=0) as log:
+        for line in out:
+            log.write(b"%9.3f " % (time.monotonic() - start) + line)
 
 
 def stop(proc):
@@ -258,12 +271,24 @@ def server_flags(a):
     return flags + (["--cpu"] if a.cpu else []) + a.server_arg
 
 
+def read_through(paths):
+    """Read each file once before the ballasts start, so that every server starts with the weights
+    in the page cache as far as the simulated RAM holds them (a user's machine after an earlier
+    run), not with what the server before it happened to leave there."""
+    buf = bytearray(64 << 20)
+    for path in paths:
+        with open(path, "rb", buffering=0) as f:
+            while f.readinto(buf):
+                pass
+
+
 def one_server(a, base, pipeline, card, tag):
     """Ballasts -> server -> images -> stop server -> stop ballasts; the record of this server."""
     logs = os.path.join(base, "logs")
     log = os.path.join(logs, f"{tag}-{pipeline}-card{card}.log")
     procs, server = [], None
     try:
+        read_through(os.path.join(a.weights, name) for name in (a.unet, TE, VAE))
         # the GPU ballast first: its CUDA context takes host RAM that the RAM ballast then accounts for
         if card != "full":
             procs.append(start_ballast(a, "ballast.py", card, f"{log}.gpu.ready", f"{log}.ballast"))
