@@ -187,6 +187,18 @@ def test_auto_compresses_only_where_the_step_gets_shorter():
     assert "compressed" not in at(80, 0.02).summary() and "compressed" not in at(5.5, 0.5).summary()
 
 
+def test_compression_on_gives_way_where_its_buffers_do_not_fit():
+    """On the plain floor the decode's two device buffers do not fit: "on" plans plain masters
+    rather than refuse a card that makes the image (and names the plain floor where even that does
+    not fit); with room for the buffers too, it compresses."""
+    from zimage_core.planner import CODEC_BYTES
+    floor = plan(FULL, 1, 1024, 1024).needed_bytes
+    assert plan(FULL, 1, 1024, 1024, compute_copy_ratio=0.7, compress="on").needed_bytes == floor
+    p = plan(FULL, floor, 1024, 1024, compute_copy_ratio=0.7, compress="on")
+    assert p.fits and not p.compressed
+    assert plan(FULL, floor + CODEC_BYTES, 1024, 1024, compute_copy_ratio=0.7, compress="on").compressed
+
+
 def test_bench_compares_compression_off_and_on_in_one_process(tiny_file):
     r = _cli("bench", "--weights", tiny_file, "--width", "64", "--height", "64", "--steps", "2",
              "--resident-layers", "1", "--compression", "both", "--json", "--device", "cpu")

@@ -69,7 +69,8 @@ def _random(a):
 def _bench(a):
     results = [r for compress in (["off", "on"] if a.compression == "both" else [a.compression])
                for r in bench.run(a.weights, a.width, a.height, a.steps, a.seed, a.resident_layers or [None],
-                                  a.device, a.resident, card_gib=a.simulate_card_gib, compress=compress)]
+                                  a.device, a.resident, cap_tokens=a.prompt_tokens, card_gib=a.simulate_card_gib,
+                                  compress=compress)]
     for r in results:
         if a.json:
             print(json.dumps(r))
@@ -97,6 +98,10 @@ def _print_bench(r):
               "to encode, in the first forward)")
     print(f"  copy bandwidth      {gbs(r['copy_bandwidth_Bps'])} (pinned alone {gbs(r['pinned_bandwidth_Bps'])})")
     print(f"  bound               {ms(r['bound_s'])}  ratio {r['ratio_to_bound']:.3f}")
+    if "peak_reserved_bytes" in r:
+        gib = lambda b: f"{b / 2**30:.2f} GiB"
+        print(f"  device memory       peak {gib(r['peak_allocated_bytes'])} allocated, {gib(r['peak_reserved_bytes'])} "
+              f"reserved; the planner's floor {gib(r['floor_bytes'])}")
     if "resident_median_step_s" in r:
         print(f"  resident step       {ms(r['resident_median_step_s'])}  ratio {r['ratio_to_resident']:.3f}")
     if "measured_activation_bytes" in r:
@@ -137,6 +142,8 @@ def main(argv=None):
     b.add_argument("--simulate-card-gib", type=gib(lo_exclusive=True),
                    help="hold the rest of the GPU in another process so only this much stays free")
     b.add_argument("--resident", action="store_true", help="also run everything resident, same process")
+    b.add_argument("--prompt-tokens", type=count(1, 512), default=64,
+                   help="tokens of the (random) prompt (default 64; the planner assumes 512)")
     b.add_argument("--device", type=device, help="cpu or cuda[:N] (default: cuda where there is one)")
     b.add_argument("--compression", choices=("off", "on", "auto", "both"), default="off",
                    help="store the streamed layers' masters compressed: auto where the planner finds it "

@@ -161,6 +161,8 @@ def _run(model, dev, width, height, steps, seed, resident_layers, resident, cap_
     g = torch.Generator().manual_seed(seed)
     noise = torch.randn(1, cfg.in_channels, height // 8, width // 8, generator=g).to(dev)
     ctx = torch.randn(1, cap_tokens, cfg.cap_feat_dim, generator=g).to(dev)
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
     t0 = time.perf_counter()
     plan = model.prepare(width, height, resident_layers=resident_layers)
     s = model.streamer
@@ -173,11 +175,15 @@ def _run(model, dev, width, height, steps, seed, resident_layers, resident, cap_
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
         held = torch.cuda.memory_allocated(dev)
+        first_peaks = torch.cuda.max_memory_allocated(dev), torch.cuda.max_memory_reserved(dev)
         torch.cuda.reset_peak_memory_stats(dev)
     copies = []  # (layer, (start, end) events) of each upload into a slot
     with _upload_hook(s, functools.partial(_timed_upload, copies, s.copy_stream)):
         out, times = _timed_steps(model, noise, ctx, steps)
     s.synchronize()
+    # the steps' own peaks, before the measurements below allocate buffers of their own
+    if dev.type == "cuda":
+        peak, peak_reserved = torch.cuda.max_memory_allocated(dev), torch.cuda.max_memory_reserved(dev)
     copy_s = sum(e[0].elapsed_time(e[1]) for _, e in copies if e) / 1e3
     moved = sum(_upload_bytes(s, i) for i, _ in copies)
     streamed_bytes = moved / steps
@@ -205,7 +211,12 @@ def _run(model, dev, width, height, steps, seed, resident_layers, resident, cap_
         "output_sha256": hashlib.sha256(out.cpu().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest(),
     }
     if dev.type == "cuda":
-        result["measured_activation_bytes"] = torch.cuda.max_memory_allocated(dev) - held
+        result["measured_activation_bytes"] = peak - held
+        # the whole run's (first forward included) against the planner's floor for this size, which
+        # assumes a 512-token prompt (--prompt-tokens 512 to compare) and every layer streamed
+        result["peak_allocated_bytes"] = max(first_peaks[0], peak)
+        result["peak_reserved_bytes"] = max(first_peaks[1], peak_reserved)
+        result["floor_bytes"] = plan.needed_bytes
         result["decode_s_per_layer"] = decode_s
     if resident:
         model.prepare(width, height, resident_layers=cfg.n_blocks)

@@ -332,15 +332,18 @@ def plan(cfg: ZImageConfig, free_bytes: int, width: int, height: int, batch: int
     masters stored compressed (``compression``), fewer bytes in host memory and over the bus for
     a little device memory and ``decode`` (a layer's decode on the device, in plain uploads of a
     layer, counted as compute beside each streamed layer: ``compute_copy_ratio`` is in the same
-    unit). "auto" compresses where that makes the simulated step at least 2% shorter: where the
-    copies hide behind the compute anyway, the decode only adds to it (``Plan.compressed``)."""
+    unit). "on" compresses wherever the decode's two device buffers fit beside the rest; "auto"
+    where that also makes the simulated step at least 2% shorter: where the copies hide behind the
+    compute anyway, the decode only adds to it (``Plan.compressed``)."""
     args = (cfg, free_bytes, width, height, batch, storage, dtype, compute_copy_ratio, host_room, file_copy)
     if compress == "off" or storage != torch.bfloat16:
         return _plan(*args)[0]
     packed, packed_step = _plan(*args, compress=True, decode=decode)
-    if compress == "on":
+    if compress == "on" and packed.fits:
         return packed
-    plain, plain_step = _plan(*args)
+    plain, plain_step = _plan(*args)  # (also where the decode's two buffers do not fit beside the rest)
+    if compress == "on":
+        return plain
     if packed_step is None or plain_step is None:  # nothing measured to choose by
         return plain
     return packed if packed.fits and packed_step < 0.98 * plain_step else plain
@@ -380,7 +383,8 @@ def _plan(cfg, free_bytes, width, height, batch, storage, dtype, compute_copy_ra
         needed = pinned_needed(n, r, k, costs, before, file_copy, master_copy, decode)
 
     def need(w, h):  # the least a size needs: everything streamed through one slot
-        return fixed + activation_bytes(cfg, w, h, batch, dtype=dtype, storage=storage) + RESERVE + (layer if n else 0)
+        return (fixed + activation_bytes(cfg, w, h, batch, dtype=dtype, storage=storage) + RESERVE
+                + (layer + (CODEC_BYTES if compress else 0) if n else 0))
 
     if not fits:
         streamed = needed = n
