@@ -39,10 +39,11 @@ _warned_disk = [False]
 def _warn_text_encoder_from_disk(stack):
     """Once: where the RAM the host budget leaves (beside the transformer's pinned layers and
     ComfyUI's headroom) cannot keep the text encoder's file cached, every new prompt reads it from
-    the disk again; say so, and what would help."""
+    the disk again; say so, and what would help. Not where its weights are locked in place: their
+    pages stay (and the room left counts them as taken)."""
     te_bytes = len(stack.layers) * stack.layout.nbytes
     room = BUDGET.room("text encoder")
-    if _warned_disk[0] or room >= te_bytes or available_ram() is None:
+    if _warned_disk[0] or stack.pool.in_place or room >= te_bytes or available_ram() is None:
         return
     _warned_disk[0] = True
     log.warning("Z-Image: the text encoder's %.1f GiB do not fit in the %.1f GiB of RAM left beside the "
