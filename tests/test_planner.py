@@ -211,6 +211,14 @@ def test_bench_compares_compression_off_and_on_in_one_process(tiny_file):
     assert on["streamed_bytes_per_step"] < 0.78 * off["streamed_bytes_per_step"]
 
 
+def test_bench_runs_a_batch_streamed_as_resident(tiny_file):
+    r = _cli("bench", "--weights", tiny_file, "--width", "64", "--height", "48", "--steps", "2", "--batch", "3",
+             "--prompt-tokens", "7", "--resident-layers", "1", "--resident", "--json", "--device", "cpu")
+    assert r.returncode == 0, r.stderr
+    res = json.loads(r.stdout)
+    assert res["batch"] == 3 and res["output_sha256"] == res["resident_output_sha256"]
+
+
 def test_ratio_command_reports_each_layer_and_the_whole(tmp_path):
     from tools.random_weights import write_checkpoint
     path = str(tmp_path / "tiny_bf16.safetensors")

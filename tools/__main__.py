@@ -70,7 +70,7 @@ def _bench(a):
     results = [r for compress in (["off", "on"] if a.compression == "both" else [a.compression])
                for r in bench.run(a.weights, a.width, a.height, a.steps, a.seed, a.resident_layers or [None],
                                   a.device, a.resident, cap_tokens=a.prompt_tokens, card_gib=a.simulate_card_gib,
-                                  compress=compress)]
+                                  compress=compress, batch=a.batch)]
     for r in results:
         if a.json:
             print(json.dumps(r))
@@ -82,7 +82,8 @@ def _print_bench(r):
     ms = lambda s: f"{s * 1e3:.1f} ms"
     gbs = lambda b: f"{b / 1e9:.1f} GB/s" if b else "n/a"
     card = f"  card {r['card_gib']} GiB free" if r["card_gib"] else ""
-    print(f"{r['device']}{card}  {r['width']}x{r['height']}  {r['steps']} steps")
+    batch = f", batch {r['batch']}" if r["batch"] > 1 else ""
+    print(f"{r['device']}{card}  {r['width']}x{r['height']}{batch}  {r['steps']} steps")
     print(f"  resident layers     {r['resident_layers']} ({r['streamed_layers']} streamed, {r['slots']} slots)")
     if "load_s" in r:
         print(f"  load                {r['load_s']:.2f} s")
@@ -142,6 +143,7 @@ def main(argv=None):
     b.add_argument("--simulate-card-gib", type=gib(lo_exclusive=True),
                    help="hold the rest of the GPU in another process so only this much stays free")
     b.add_argument("--resident", action="store_true", help="also run everything resident, same process")
+    b.add_argument("--batch", type=count(1, 64), default=1, help="images made at once (default 1)")
     b.add_argument("--prompt-tokens", type=count(1, 512), default=64,
                    help="tokens of the (random) prompt (default 64; the planner assumes 512)")
     b.add_argument("--device", type=device, help="cpu or cuda[:N] (default: cuda where there is one)")

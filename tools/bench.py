@@ -101,7 +101,7 @@ def simulated_card(leave_gib):
 
 
 def run(weights, width, height, steps=8, seed=0, splits=(None,), device=None, resident=False,
-        cap_tokens=64, dtype="bf16", card_gib=None, compress="off"):
+        cap_tokens=64, dtype="bf16", card_gib=None, compress="off", batch=1):
     """One result per split (None: planned); the model is loaded once. ``compress``: whether its
     masters are stored compressed (``Settings.compress``: off, on, auto)."""
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -110,7 +110,7 @@ def run(weights, width, height, steps=8, seed=0, splits=(None,), device=None, re
         model = ZImageTransformer.load(weights, device=dev, dtype=dtype, settings=Settings(compress=compress))
         load_s = time.perf_counter() - t0
         try:
-            results = [_run(model, dev, width, height, steps, seed, r, resident and i == 0, cap_tokens)
+            results = [_run(model, dev, width, height, steps, seed, r, resident and i == 0, cap_tokens, batch)
                        for i, r in enumerate(splits)]
         finally:
             model.release()
@@ -156,15 +156,15 @@ def _decode_time(s, dev) -> float | None:
     return compression.decode_seconds(s.codes[i], s.host[i].to(dev), out, repeats=4)
 
 
-def _run(model, dev, width, height, steps, seed, resident_layers, resident, cap_tokens):
+def _run(model, dev, width, height, steps, seed, resident_layers, resident, cap_tokens, batch=1):
     cfg = model.cfg
     g = torch.Generator().manual_seed(seed)
-    noise = torch.randn(1, cfg.in_channels, height // 8, width // 8, generator=g).to(dev)
-    ctx = torch.randn(1, cap_tokens, cfg.cap_feat_dim, generator=g).to(dev)
+    noise = torch.randn(batch, cfg.in_channels, height // 8, width // 8, generator=g).to(dev)
+    ctx = torch.randn(batch, cap_tokens, cfg.cap_feat_dim, generator=g).to(dev)
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
     t0 = time.perf_counter()
-    plan = model.prepare(width, height, resident_layers=resident_layers)
+    plan = model.prepare(width, height, batch, resident_layers=resident_layers)
     s = model.streamer
     _sync(dev)
     prepare_s = time.perf_counter() - t0
@@ -198,7 +198,7 @@ def _run(model, dev, width, height, steps, seed, resident_layers, resident, cap_
     bound = max(work, streamed_bytes / bw) if bw else work
     result = {
         "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
-        "width": width, "height": height, "steps": steps,
+        "width": width, "height": height, "batch": batch, "steps": steps,
         "resident_layers": s.n_resident, "streamed_layers": s.n_streamed, "slots": len(s.slots),
         "planned_free_bytes": plan.free_bytes, "planned_activation_bytes": plan.activation_bytes,
         "prepare_s": prepare_s, "first_forward_s": first_forward_s, "pin_calls_in_steps": host_memory.pin_calls() - pins,
@@ -219,7 +219,7 @@ def _run(model, dev, width, height, steps, seed, resident_layers, resident, cap_
         result["floor_bytes"] = plan.needed_bytes
         result["decode_s_per_layer"] = decode_s
     if resident:
-        model.prepare(width, height, resident_layers=cfg.n_blocks)
+        model.prepare(width, height, batch, resident_layers=cfg.n_blocks)
         euler_sample(model, noise, ctx, steps=1)
         out_r, times_r = _timed_steps(model, noise, ctx, steps)
         result["resident_median_step_s"] = statistics.median(times_r[1:] or times_r)
