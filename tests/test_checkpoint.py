@@ -266,6 +266,31 @@ def test_file_changed_after_loading_is_an_error_not_a_crash(tmp_path, tiny_file)
     assert host_memory.live_bytes() == before
 
 
+def test_a_file_that_changes_while_a_master_is_encoded_leaves_no_master(tmp_path, tiny_file):
+    """Compressed masters are encoded from the file at the first forward, their reads on a thread of
+    their own: a file truncated before then gives the clear error, no half-encoded master stays, and
+    the pool gives back everything."""
+    import shutil
+    from conftest import inputs
+    p = tmp_path / "live.safetensors"
+    shutil.copy(tiny_file, p)
+    before = host_memory.live_bytes()
+    t = ZImageTransformer.load(str(p), device="cpu", dtype="bf16", settings=Settings(compress="on"))
+    t.prepare(64, 48, resident_layers=1)
+    x, ts, ctx = inputs(t.cfg)
+    s = t.streamer
+    fixed = s.pool.used  # the fixed part's masters
+    with open(p, "r+b") as f:
+        f.truncate(os.path.getsize(p) // 2)
+    with pytest.raises(CheckpointError, match="changed on disk after it was loaded"):
+        t(x, ts, ctx)
+    assert all(c is not None for h, c in zip(s.host, s.codes) if h is not None)
+    assert s.pool.used == fixed + sum(h.numel() for h in s.host if h is not None) + sum(
+        b.numel() * b.element_size() for b, _ in s._staging)
+    t.release()
+    assert host_memory.live_bytes() == before
+
+
 @pytest.mark.parametrize("extra", ["scaled_fp8", "layers.0.feed_forward.w1.scale_weight",
                                    "layers.0.attention.qkv.weight_scale"])
 def test_scaled_fp8_exports_are_refused(tmp_path, reference, extra):

@@ -236,14 +236,9 @@ class LayerStreamer:
         compresses and the layer's weights allow it (then ``dst``, where given, holds the layer
         too: it was encoded from there), else plain."""
         if self.compress:
-            buf = self.pool.allocate(self.master_bytes, torch.uint8)
+            buf, codes = self._encode(i, dst)
             if buf is None:
                 return False
-            try:
-                codes = self._encode(i, buf, dst)
-            except BaseException:  # an interrupt or a file that changed: no half-filled master stays
-                self.pool.free(buf)
-                raise
             if codes is not None:
                 self.host[i], self.codes[i] = buf, codes
                 if self.cuda:  # made here, where the encode waits for the device anyway: a table's
@@ -264,12 +259,13 @@ class LayerStreamer:
         self.layout.drop(self.sources[i])
         return True
 
-    def _encode(self, i, buf, dst=None) -> tuple | None:
-        """Layer i compressed into ``buf``, a staging buffer at a time: read from its source (on the
-        reading thread, the next buffer while this one is encoded), copied to the device (into
-        ``dst`` where given, which then holds the layer), encoded there a chunk at a time (a CPU
-        takes seconds a layer), the bytes copied back. The chunks, or None where one has more
-        exceptions than the master was sized for."""
+    def _encode(self, i, dst=None) -> tuple:
+        """Layer i compressed into a master from the pool (allocated and pinned while the first read
+        runs), a staging buffer at a time: read from its source (on the reading thread, the next
+        buffer while this one is encoded), copied to the device (into ``dst`` where given, which
+        then holds the layer), encoded there a chunk at a time (a CPU takes seconds a layer), the
+        bytes copied back. Returns (the master, its chunks): (None, None) where the pool has no
+        room, chunks None where one has more exceptions than the master was sized for."""
         self._make_staging()
         ring = [host for host, _ in self._staging]
         for _, done in self._staging:
@@ -288,7 +284,10 @@ class LayerStreamer:
 
         chunks, offset = [], 0
         pending = _READER.submit(read, 0)
+        buf = self.pool.allocate(self.master_bytes, torch.uint8)
         try:
+            if buf is None:
+                return None, None
             for k, (start, n) in enumerate(spans):
                 part = pending.result()
                 # with one buffer only, the next read waits for this one's copy to the device
@@ -300,15 +299,19 @@ class LayerStreamer:
                 for a, m in compression.pieces(n):
                     base, n_exc, packed = compression.encode(on_device[a:a + m])
                     if n_exc > compression.max_exceptions(m):
-                        return None
+                        return buf, None
                     buf[offset:offset + packed.numel()].copy_(packed)
                     chunks.append(compression.Chunk(start + a, m, offset, n_exc, base))
                     offset += packed.numel()
                 self.encode_seconds += time.perf_counter() - begin  # the copies back waited for the encode
+        except BaseException:  # an interrupt or a file that changed: no half-filled master stays
+            if buf is not None:
+                self.pool.free(buf)
+            raise
         finally:
             if pending is not None:
                 pending.exception()  # no read into the ring outlives this call
-        return tuple(chunks)
+        return buf, tuple(chunks)
 
     def _plain(self, i):
         """Layer i's compressed master, decoded into a plain one (a patch writes into it)."""
