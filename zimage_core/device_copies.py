@@ -86,7 +86,7 @@ class DeviceCopies:
         if self._device is None:
             # uploaded as stored, then cast on the device: a cast on the way would go through a
             # pageable copy on the CPU
-            self._device = [t.to(self.device, non_blocking=True) if d is None else t.to(self.device, non_blocking=True).to(d)
+            self._device = [t.to(self.device, non_blocking=True).to(d or t.dtype)
                             for t, d in zip(self._host, self.dtypes)]
 
     def place(self):

@@ -341,10 +341,9 @@ def plan(cfg: ZImageConfig, free_bytes: int, width: int, height: int, batch: int
     packed, packed_step = _plan(*args, compress=True, decode=decode)
     if compress == "on" and packed.fits:
         return packed
-    plain, plain_step = _plan(*args)  # (also where the decode's two buffers do not fit beside the rest)
-    if compress == "on":
-        return plain
-    if packed_step is None or plain_step is None:  # nothing measured to choose by
+    plain, plain_step = _plan(*args)
+    # "on" where the decode's two buffers do not fit beside the rest, or nothing measured to choose by
+    if compress == "on" or packed_step is None or plain_step is None:
         return plain
     return packed if packed.fits and packed_step < 0.98 * plain_step else plain
 

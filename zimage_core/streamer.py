@@ -289,11 +289,12 @@ class LayerStreamer:
             if buf is None:
                 return None, None
             for k, (start, n) in enumerate(spans):
-                part = pending.result()
-                # with one buffer only, the next read waits for this one's copy to the device
-                pending = _READER.submit(read, k + 1) if k + 1 < len(spans) and len(ring) > 1 else None
+                part, pending = pending.result(), None
+                ahead = k + 1 < len(spans)
+                if ahead and len(ring) > 1:  # into the other buffer while this one crosses
+                    pending = _READER.submit(read, k + 1)
                 on_device = part.to(self.device) if dst is None else dst[start:start + n].copy_(part)
-                if pending is None and k + 1 < len(spans):
+                if ahead and pending is None:  # one buffer only: free once it has crossed
                     pending = _READER.submit(read, k + 1)
                 begin = time.perf_counter()
                 for a, m in compression.pieces(n):
