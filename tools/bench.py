@@ -103,16 +103,21 @@ def simulated_card(leave_gib):
 def run(weights, width, height, steps=8, seed=0, splits=(None,), device=None, resident=False,
         cap_tokens=64, dtype="bf16", card_gib=None, compress="off", batch=1):
     """One result per split (None: planned); the model is loaded once. ``compress``: whether its
-    masters are stored compressed (``Settings.compress``: off, on, auto)."""
+    masters are stored compressed (``Settings.compress``: off, on, auto). ``resident``: the first
+    result is compared with every layer resident, run after the simulated card is gone (on the
+    small card the planner would stream again what was asked to stay)."""
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    with simulated_card(card_gib):
-        t0 = time.perf_counter()
-        model = ZImageTransformer.load(weights, device=dev, dtype=dtype, settings=Settings(compress=compress))
-        load_s = time.perf_counter() - t0
-        try:
-            results = [_run(model, dev, width, height, steps, seed, r, resident and i == 0, cap_tokens, batch)
-                       for i, r in enumerate(splits)]
-        finally:
+    model = None
+    try:
+        with simulated_card(card_gib):
+            t0 = time.perf_counter()
+            model = ZImageTransformer.load(weights, device=dev, dtype=dtype, settings=Settings(compress=compress))
+            load_s = time.perf_counter() - t0
+            results = [_run(model, dev, width, height, steps, seed, r, cap_tokens, batch) for r in splits]
+        if resident:
+            _compare_resident(model, dev, width, height, steps, seed, cap_tokens, batch, results[0])
+    finally:
+        if model is not None:
             model.release()
     for r in results:
         r["card_gib"] = card_gib
@@ -148,19 +153,32 @@ def _upload_bytes(s, i) -> int:
 
 
 def _decode_time(s, dev) -> float | None:
-    """Seconds the device takes to decode one compressed layer (its bytes already on the device)."""
+    """Seconds the device takes to decode one compressed layer: its first run of chunks (one upload's
+    worth, already on the device) timed and scaled to the layer. A whole layer's bytes and output
+    beside a small card's plan would not fit."""
     i = next((i for i, c in enumerate(s.codes) if c), None)
     if i is None:
         return None
-    out = torch.empty(s.layout.numel, dtype=s.layout.dtype, device=dev)
-    return compression.decode_seconds(s.codes[i], s.host[i].to(dev), out, repeats=4)
+    run = compression.groups(s.codes[i])[0]  # from the layer's first weight on
+    n = run[-1].start + run[-1].numel
+    packed = s.host[i][:run[-1].offset + run[-1].nbytes].to(dev)
+    out = torch.empty(n, dtype=s.layout.dtype, device=dev)
+    return compression.decode_seconds(run, packed, out, repeats=4) * s.layout.numel / n
 
 
-def _run(model, dev, width, height, steps, seed, resident_layers, resident, cap_tokens, batch=1):
-    cfg = model.cfg
+def _inputs(cfg, dev, width, height, seed, cap_tokens, batch):
+    """The noise and the prompt's features every run of one seed starts from."""
     g = torch.Generator().manual_seed(seed)
     noise = torch.randn(batch, cfg.in_channels, height // 8, width // 8, generator=g).to(dev)
-    ctx = torch.randn(batch, cap_tokens, cfg.cap_feat_dim, generator=g).to(dev)
+    return noise, torch.randn(batch, cap_tokens, cfg.cap_feat_dim, generator=g).to(dev)
+
+
+def _sha256(t) -> str:
+    return hashlib.sha256(t.cpu().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def _run(model, dev, width, height, steps, seed, resident_layers, cap_tokens, batch=1):
+    noise, ctx = _inputs(model.cfg, dev, width, height, seed, cap_tokens, batch)
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
     t0 = time.perf_counter()
@@ -208,7 +226,7 @@ def _run(model, dev, width, height, steps, seed, resident_layers, resident, cap_
         "copy_bandwidth_Bps": (moved / copy_s) if copy_s else None,
         "compressed_layers": sum(c is not None for c in s.codes), "encode_s": s.encode_seconds,
         "pinned_bandwidth_Bps": bw, "bound_s": bound, "ratio_to_bound": step / bound,
-        "output_sha256": hashlib.sha256(out.cpu().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest(),
+        "output_sha256": _sha256(out),
     }
     if dev.type == "cuda":
         result["measured_activation_bytes"] = peak - held
@@ -218,12 +236,15 @@ def _run(model, dev, width, height, steps, seed, resident_layers, resident, cap_
         result["peak_reserved_bytes"] = max(first_peaks[1], peak_reserved)
         result["floor_bytes"] = plan.needed_bytes
         result["decode_s_per_layer"] = decode_s
-    if resident:
-        model.prepare(width, height, batch, resident_layers=cfg.n_blocks)
-        euler_sample(model, noise, ctx, steps=1)
-        out_r, times_r = _timed_steps(model, noise, ctx, steps)
-        result["resident_median_step_s"] = statistics.median(times_r[1:] or times_r)
-        result["resident_output_sha256"] = hashlib.sha256(
-            out_r.cpu().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
-        result["ratio_to_resident"] = step / result["resident_median_step_s"]
     return result
+
+
+def _compare_resident(model, dev, width, height, steps, seed, cap_tokens, batch, result):
+    """``result`` gains the same steps' time and output with every layer on the device."""
+    noise, ctx = _inputs(model.cfg, dev, width, height, seed, cap_tokens, batch)
+    model.prepare(width, height, batch, resident_layers=model.cfg.n_blocks)
+    euler_sample(model, noise, ctx, steps=1)
+    out, times = _timed_steps(model, noise, ctx, steps)
+    result["resident_median_step_s"] = statistics.median(times[1:] or times)
+    result["resident_output_sha256"] = _sha256(out)
+    result["ratio_to_resident"] = result["median_step_s"] / result["resident_median_step_s"]

@@ -252,7 +252,8 @@ def check_soon(device: torch.device):
     """Start ``decodes_on``'s check on a thread of its own. Compiling the kernels takes a second or
     more (from Triton's cache on disk, a few tenths): started where a model that will stream is
     loaded, it runs while the prompt is encoded instead of before the first step."""
-    threading.Thread(target=decodes_on, args=(device,), name="zimage-decode-check", daemon=True).start()
+    if device not in _checked:
+        threading.Thread(target=decodes_on, args=(device,), name="zimage-decode-check", daemon=True).start()
 
 
 def _check(device: torch.device) -> bool:

@@ -53,6 +53,15 @@ class Settings:
     compress: str = "off"
 
 
+
+def check_decode_soon(device, total_bytes: int, compress: bool = True):
+    """Where a model of ``total_bytes`` will stream on ``device`` (it does not fit in what is free)
+    and may store its layers compressed, start the check whether the decode runs there
+    (``compression.check_soon``): the first plan asks it, and its kernel compiles take a second."""
+    device = torch.device(device)
+    if compress and device.type == "cuda" and total_bytes > planner.device_free_bytes(device):
+        compression.check_soon(device)
+
 class ZImageTransformer(torch.nn.Module):
     def __init__(self, model: ZImageDiT, streamer: LayerStreamer, ckpt: Checkpoint, fixed: DeviceCopies,
                  settings: Settings, check_interrupt=None):
@@ -113,8 +122,7 @@ class ZImageTransformer(torch.nn.Module):
             # while it computes, from one host master per dtype
             fixed = DeviceCopies(module_tensors(model), dev, pool)
             t = cls(model, streamer, ckpt, fixed, settings, check_interrupt)
-            if streamer.can_compress and dev.type == "cuda" and t.total_bytes > planner.device_free_bytes(dev):
-                compression.check_soon(streamer.device)  # it will stream: the plan asks whether the decode runs here
+            check_decode_soon(dev, t.total_bytes, streamer.can_compress)
             if home == dev:
                 t.to_device()
             return t
