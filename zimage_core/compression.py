@@ -250,8 +250,9 @@ def decodes_on(device: torch.device) -> bool:
 
 def check_soon(device: torch.device):
     """Start ``decodes_on``'s check on a thread of its own. Compiling the kernels takes a second or
-    more (from Triton's cache on disk, a few tenths): started where a model that will stream is
-    loaded, it runs while the prompt is encoded instead of before the first step."""
+    more (from Triton's cache on disk, a few tenths): started when a prompt for a model that will
+    stream is encoded (``transformer.check_decode_soon``), it runs beside the encode instead of
+    before the first step. Nothing starts once the answer is known."""
     if device not in _checked:
         threading.Thread(target=decodes_on, args=(device,), name="zimage-decode-check", daemon=True).start()
 
