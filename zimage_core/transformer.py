@@ -266,7 +266,9 @@ class ZImageTransformer(torch.nn.Module):
                     p.pinned_layers, p.streamed_layers, p.file_layers, fp8,
                     host_memory.BUDGET.headroom / planner.GiB)
 
-    def _set_split(self, resident, slots, from_file, compress):
+    def _set_split(self, resident, slots, from_file=None, compress=None):
+        """The split ``resident`` / ``slots``, or the first below it (``planner.one_layer_less``)
+        whose buffers the device can allocate: the one ladder down after an out-of-memory error."""
         while True:
             try:
                 self.streamer.configure(resident, slots, from_file, compress)
@@ -282,7 +284,7 @@ class ZImageTransformer(torch.nn.Module):
         less = planner.one_layer_less(self.streamer.n_resident, len(self.streamer.slots))
         if less is None:
             return False
-        self.streamer.configure(*less)
+        self._set_split(*less)
         return True
 
     def _announce(self):
