@@ -144,6 +144,7 @@ def test_bench_command_on_cpu(tiny_file):
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert out["resident_layers"] == 1 and out["streamed_layers"] == TINY.n_blocks - 1
+    assert (out["planned_resident_layers"], out["planned_slots"]) == (1, out["slots"])  # no step-down
     assert out["output_sha256"] == out["resident_output_sha256"]
     assert out["streamed_bytes_per_step"] > 0
 

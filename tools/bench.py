@@ -218,6 +218,8 @@ def _run(model, dev, width, height, steps, seed, resident_layers, cap_tokens, ba
         "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
         "width": width, "height": height, "batch": batch, "steps": steps,
         "resident_layers": s.n_resident, "streamed_layers": s.n_streamed, "slots": len(s.slots),
+        # more than the split above where an out-of-memory error stepped it down during the run
+        "planned_resident_layers": plan.resident_layers, "planned_slots": plan.slots,
         "planned_free_bytes": plan.free_bytes, "planned_activation_bytes": plan.activation_bytes,
         "prepare_s": prepare_s, "first_forward_s": first_forward_s, "pin_calls_in_steps": host_memory.pin_calls() - pins,
         "pinned_layers": s.pinned_layers, "file_layers": s.n_streamed - s.master_layers,
