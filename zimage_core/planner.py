@@ -6,11 +6,11 @@ room, and the rest are read from the file (the page cache, or the disk) at every
 
 Device memory = fixed part (embedders, norms, adaLN, final layer) + resident layers + slots +
 activations + a margin (``device_margin``), where the layers are every block with big matrices:
-the refiners and the main layers. Slots cost as much as resident layers, so their number is chosen by simulating a run of
-steps: uploads can only run ahead of compute by as many layers as there are slots, and a few more
-slots let the copy engine work through the stretches without streamed layers (resident layers,
-the embedders and the sampler between steps) instead of idling. Without a compute/copy
-estimate two slots are used (classic double buffering).
+the refiners and the main layers. Slots cost as much as resident layers, so their number is chosen
+by simulating a run of steps: uploads can only run ahead of compute by as many layers as there are
+slots, and a few more slots let the copy engine work through the stretches without streamed
+layers (resident layers, the embedders and the sampler between steps) instead of idling. Without a
+compute/copy estimate two slots are used (classic double buffering).
 """
 from __future__ import annotations
 

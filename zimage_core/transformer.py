@@ -53,7 +53,6 @@ class Settings:
     compress: str = "off"
 
 
-
 def check_decode_soon(device, total_bytes: int, compress: bool = True):
     """Where a model of ``total_bytes`` will stream on ``device`` (it does not fit in what is free)
     and may store its layers compressed, start the check whether the decode runs there
@@ -61,6 +60,7 @@ def check_decode_soon(device, total_bytes: int, compress: bool = True):
     device = torch.device(device)
     if compress and device.type == "cuda" and total_bytes > planner.device_free_bytes(device):
         compression.check_soon(device)
+
 
 class ZImageTransformer(torch.nn.Module):
     def __init__(self, model: ZImageDiT, streamer: LayerStreamer, ckpt: Checkpoint, fixed: DeviceCopies,
