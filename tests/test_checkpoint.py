@@ -301,3 +301,25 @@ def test_scaled_fp8_exports_are_refused(tmp_path, reference, extra):
     p = tmp_path / "scaled.safetensors"
     write_safetensors(str(p), entries)
     _expect(p, "scaled (quantized) export", extra, "bf16 file")
+
+
+def test_a_master_that_maps_the_file_is_never_written(tiny_file):
+    """A tensor that is a view of the file's pages (as the fixed part's is on a GPU) and its own
+    master (no room to copy it): a patch gives it a tensor of its own; the file stays as it was."""
+    from zimage_core.device_copies import DeviceCopies, module_tensors
+    from zimage_core.host_memory import HostPool, maps_file
+    ckpt = Checkpoint(tiny_file)
+    key = "t_embedder.mlp.0.weight"
+    original = ckpt.tensor(key)
+    module = torch.nn.Module()
+    module.weight = torch.nn.Parameter(ckpt.mapped(key, torch.float32), requires_grad=False)
+    assert maps_file(module.weight) and torch.equal(module.weight, original)
+    copies = DeviceCopies(module_tensors(module), "cpu", HostPool(pin=False, cap_bytes=0))
+    copies.load()
+    copies.write(module, "weight", original * 2)
+    assert not maps_file(module.weight) and torch.equal(module.weight, original * 2)
+    with copies.running():
+        assert torch.equal(module.weight, original * 2)
+    assert torch.equal(ckpt.tensor(key), original)
+    assert ckpt.mapped(key, torch.bfloat16) is None  # stored as fp32: no view in another dtype
+    ckpt.close()

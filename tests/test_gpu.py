@@ -61,6 +61,30 @@ def test_layers_past_the_pinned_cap_are_read_from_the_file_identically(tiny_file
     m.release()
 
 
+def test_the_fixed_part_is_the_files_pages_and_a_patch_gets_its_own_copy(tiny_file):
+    """Stored as it runs (fp32 here), the fixed part's master is the file's pages locked in place:
+    no copy in host memory. A patch of one of its tensors never writes the file's pages."""
+    from zimage_core.checkpoint import Checkpoint
+    before = host_memory.live_bytes()
+    m = ZImageTransformer.load(tiny_file, device="cuda", dtype="fp32")
+    assert m.fixed.pool.in_place >= m.fixed_bytes
+    x, _, ctx = inputs(TINY, width=128, height=96)
+    m.prepare(128, 96, resident_layers=1)
+    ref = euler_sample(m, x.cuda(), ctx.cuda(), steps=2)
+    key = "t_embedder.mlp.0.weight"
+    w = m.base_weight(key)
+    m.set_weight(key, w * 1.5)
+    assert not torch.equal(euler_sample(m, x.cuda(), ctx.cuda(), steps=2), ref)
+    m.offload()  # back from the patched master
+    m.set_weight(key, w)
+    assert torch.equal(euler_sample(m, x.cuda(), ctx.cuda(), steps=2), ref)
+    ckpt = Checkpoint(tiny_file)
+    assert torch.equal(ckpt.tensor(key), w)
+    ckpt.close()
+    m.release()
+    assert host_memory.live_bytes() == before
+
+
 @pytest.mark.parametrize("resident", [0, TINY.n_blocks])
 def test_non_finite_weights_are_named_on_cuda(tmp_path, resident):
     from test_reliability import _with_nan

@@ -119,6 +119,15 @@ class Checkpoint:
         self.read_into(key, out)
         return out
 
+    def mapped(self, key, dtype) -> torch.Tensor | None:
+        """Canonical ``key`` as a read-only view of the file's pages where it is stored whole in
+        ``dtype`` (``SafetensorsFile.mapped``), else None."""
+        parts = self._index[key]
+        if len(parts) != 1 or self.dtype(key) != dtype:
+            return None
+        _, f, k = parts[0]
+        return f.mapped(k)
+
     def check_unchanged(self):
         """Raise when a file of the checkpoint changed on disk since it was opened."""
         for f in self.files:

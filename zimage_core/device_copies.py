@@ -16,7 +16,7 @@ import contextlib
 
 import torch
 
-from .host_memory import HostPool
+from .host_memory import HostPool, maps_file
 from .streamer import device_of
 
 
@@ -110,18 +110,33 @@ class DeviceCopies:
         self.unload()
         self._host = None
 
-    def views(self, module, name) -> list:
-        """Where ``module``'s tensor ``name`` lives: its master (or, before the first load, the model's
-        own tensor) and its device copy while loaded."""
+    def write(self, module, name, value: torch.Tensor):
+        """Set ``module``'s tensor ``name`` to ``value`` in its master and, while loaded, its device
+        copy. A master that is a file's pages (locked in place, or a mapped tensor the pool had no
+        room to copy) is read-only: that tensor gets a master of its own instead."""
         j = self._index[(id(module), name)]
         m, kind, _ = self.entries[j]
-        if self._host is None:
-            return [getattr(m, kind)[name].data]
-        return [self._host[j]] + ([] if self._device is None else [self._device[j]])
+        own = getattr(m, kind)[name].data  # what the model's tensor is now
+        old = own if self._host is None else self._host[j]
+        new = torch.empty_like(old) if maps_file(old) else old
+        new.copy_(value)
+        if self._host is not None:
+            self._host[j] = new
+        if self._device is not None:
+            if self._device[j].data_ptr() == old.data_ptr():  # on the CPU the device copy is the master
+                self._device[j] = new
+            else:
+                self._device[j].copy_(value)
+        if own.data_ptr() == old.data_ptr():
+            self._point_one(j, new)
+
+    def _point_one(self, j, t):
+        m, kind, name = self.entries[j]
+        getattr(m, kind)[name] = torch.nn.Parameter(t, requires_grad=False) if kind == "_parameters" else t
 
     def _point(self, tensors):
-        for (m, kind, name), t in zip(self.entries, tensors):
-            getattr(m, kind)[name] = torch.nn.Parameter(t, requires_grad=False) if kind == "_parameters" else t
+        for j, t in enumerate(tensors):
+            self._point_one(j, t)
 
     @contextlib.contextmanager
     def running(self):

@@ -236,6 +236,18 @@ def _file_maps() -> list:
     return maps
 
 
+def locks_files() -> bool:
+    """Whether this process can lock a file's pages in place for the device (``pin_in_place``)."""
+    return torch.cuda.is_available() and os.path.exists("/proc/self/maps")
+
+
+def maps_file(t: torch.Tensor) -> bool:
+    """Whether host tensor ``t``'s bytes lie in a mapping of a file: pages that may be read-only
+    (locked in place, or a loader's read-only mapping) and are never written."""
+    p = t.data_ptr()
+    return t.device.type == "cpu" and any(lo <= p < hi for lo, hi, *_ in _file_maps())
+
+
 def _file_views(tensors) -> list | None:
     """``tensors`` as views of the same bytes in a shared read-only mapping of the files they map,
     or None where one of them does not map a file (ordinary memory is never locked in place: a

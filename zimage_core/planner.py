@@ -263,6 +263,17 @@ def simulate_step(n_layers, resident, slots, compute, copy, fixed=0.0, steps=8, 
     start with it, and every step queues the next one's first uploads behind its last layers.
     ``decode``: a streamed layer's decode on the device (a compressed master), or a list of each
     one's, counted as compute beside the layer (it takes the same SMs)."""
+    # plans repeat on every image with free bytes that differ by a few MiB, which change the split
+    # rarely: the simulations are remembered by their (discrete) arguments
+    return _simulate(n_layers, resident, slots, _key(compute), _key(copy), fixed, steps, _key(decode))
+
+
+def _key(v):
+    return tuple(v) if isinstance(v, (list, tuple)) else v
+
+
+@functools.lru_cache(maxsize=4096)
+def _simulate(n_layers, resident, slots, compute, copy, fixed, steps, decode) -> float:
     costs = compute if isinstance(compute, (list, tuple)) else [compute] * n_layers
     keep = set(residency_order(n_layers)[:resident])
     streamed = n_layers - len(keep)

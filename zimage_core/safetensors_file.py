@@ -6,19 +6,23 @@ tile the data section exactly), so a truncated, foreign or malformed file is rep
 tensor is touched, in one line that says what to do.
 
 Tensors are read with ``pread`` straight into the buffer that keeps them (a pinned host master,
-a staging buffer), never through a memory mapping: a mapped file that is truncated or rewritten
-in place while it is loaded kills the process with SIGBUS on the next touch, and an interrupted
-re-download leaves exactly such a file. Before every read the open file is checked against the
-size and modification time it had when it was opened; a file changed since then is an error.
+a staging buffer), not through a memory mapping: a mapped file that is truncated or rewritten
+in place while it is loaded kills the process with SIGBUS on the next touch of the CPU, and an
+interrupted re-download leaves exactly such a file. Before every read the open file is checked
+against the size and modification time it had when it was opened; a file changed since then is
+an error. The one exception is ``mapped``: views whose pages are locked in place for the GPU to
+read (the transformer's fixed part), which the CPU does not read after the lock.
 """
 from __future__ import annotations
 
 import concurrent.futures
 import json
 import math
+import mmap
 import os
 import struct
 import threading
+import warnings
 
 import torch
 
@@ -66,6 +70,7 @@ class SafetensorsFile:
         except IsADirectoryError:
             raise CheckpointError(path, "is a folder, not a file.", _FIX_FORMAT) from None
         self._lock = threading.Lock()  # seek + read where the OS has no positional read (Windows)
+        self._map = None  # the file's bytes, mapped read-only on the first ``mapped``
         try:
             st = os.fstat(self._file.fileno())
             self._identity = (st.st_size, st.st_mtime_ns)
@@ -186,6 +191,21 @@ class SafetensorsFile:
             start, stop = self.entries[key]["data_offsets"]
             os.posix_fadvise(self._file.fileno(), self._base + start, stop - start, advice)
 
+    def mapped(self, key) -> torch.Tensor | None:
+        """Tensor ``key`` as a read-only view of the file's pages (no copy, no read yet), or None where
+        its offset does not allow a view of its dtype. Never write into it."""
+        self.check_unchanged()
+        start, stop = self.entries[key]["data_offsets"]
+        dtype = self.dtype(key)
+        if (self._base + start) % dtype.itemsize:
+            return None
+        if self._map is None:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # torch warns that the buffer is not writable: by design
+                self._map = torch.frombuffer(mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ),
+                                             dtype=torch.uint8)
+        return self._map[self._base + start:self._base + stop].view(dtype).view(self.shape(key))
+
     def stored(self, key) -> "StoredTensor":
         return StoredTensor(self, key)
 
@@ -197,6 +217,7 @@ class SafetensorsFile:
 
     def close(self):
         self.entries = {}
+        self._map = None  # the mapping itself goes with the last view of it
         if self._file is not None:
             self._file.close()
         self._file = None

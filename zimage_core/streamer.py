@@ -70,7 +70,8 @@ def staging_bytes(layout) -> int:
     return STAGING_BUFFERS * staging_chunk(layout) * layout.dtype.itemsize
 
 
-def residency_order(n: int) -> list:
+@functools.lru_cache(maxsize=None)
+def residency_order(n: int) -> tuple:
     """The order in which layers become resident: each next one in the middle of the longest
     run of streamed layers (the earliest of equal runs), so that the resident layers are spread
     evenly through the stack for every count, and one more or one fewer moves no other layer."""
@@ -81,7 +82,7 @@ def residency_order(n: int) -> list:
         m = (a + b) // 2
         order.append(m)
         runs += [run for run in ((a, m), (m + 1, b)) if run[1] > run[0]]
-    return order
+    return tuple(order)
 
 
 class PackLayout:

@@ -21,7 +21,7 @@ from .checkpoint import Checkpoint
 from .config import BIG_KEYS, ZImageConfig
 from .errors import CheckpointError, NonFiniteWeights, OutOfDeviceMemory, ZImageError
 from . import host_memory
-from .host_memory import HostPool, available_ram
+from .host_memory import HostPool, available_ram, locks_files
 from .device_copies import DeviceCopies, module_tensors
 from .dit import Chunks, ZImageDiT
 from .streamer import LayerStreamer, PackLayout, all_finite, staging_bytes
@@ -38,6 +38,13 @@ CPU_PIECE_FLOPS = 2e10
 def layer_pieces(ckpt: Checkpoint, prefix: str) -> dict:
     """A block's five big matrices in ``ckpt``: {name: [(row, StoredTensor)]}, as a streamer reads them."""
     return {n: ckpt.pieces(f"{prefix}{k}.weight") for n, k in BIG_KEYS.items()}
+
+
+def fixed_tensor(ckpt: Checkpoint, key: str, dtype: torch.dtype, mapped: bool) -> torch.Tensor:
+    """A fixed-part tensor in ``dtype``: with ``mapped`` a read-only view of the file's pages where
+    the file stores it so, else read into a tensor of its own."""
+    t = ckpt.mapped(key, dtype) if mapped else None
+    return ckpt.tensor(key, dtype=dtype) if t is None else t
 
 
 @dataclass(frozen=True)
@@ -111,7 +118,10 @@ class ZImageTransformer(torch.nn.Module):
                 model = ZImageDiT(cfg, compute)
             dev = torch.device(device)
             home = torch.device(initial_device) if initial_device is not None else dev
-            state = {name: ckpt.tensor(name, dtype=compute) for name, _ in model.named_parameters()}
+            # on a GPU the fixed part's master is the file's own pages, locked in place (``DeviceCopies``):
+            # no copy of it in host memory
+            mapped = dev.type == "cuda" and locks_files()
+            state = {name: fixed_tensor(ckpt, name, compute, mapped) for name, _ in model.named_parameters()}
             model.load_state_dict(state, assign=True)
             model.requires_grad_(False)  # inference only: no autograd graph keeps activations alive
             layout = PackLayout(cfg, storage)
@@ -391,8 +401,7 @@ class ZImageTransformer(torch.nn.Module):
         slot = self._big_slot(key)
         if slot is None:  # a parameter: the fixed part
             module_path, _, name = key.rpartition(".")
-            for target in self.fixed.views(self.model.get_submodule(module_path), name):
-                target.copy_(value)
+            self.fixed.write(self.model.get_submodule(module_path), name, value)
             self._fixed_checked = False
             return
         owner, name = slot
