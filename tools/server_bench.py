@@ -274,7 +274,10 @@ def server_flags(a):
 def read_through(paths):
     """Read each file once before the ballasts start, so that every server starts with the weights
     in the page cache as far as the simulated RAM holds them (a user's machine after an earlier
-    run), not with what the server before it happened to leave there."""
+    run), not with what the server before it happened to leave there. Dirty pages are written out
+    first (weights written just before): the RAM ballast cannot reclaim them, so the kernel would
+    drop the clean pages just read instead, and the first image would read the disk."""
+    os.sync()
     buf = bytearray(64 << 20)
     for path in paths:
         with open(path, "rb", buffering=0) as f:

@@ -14,6 +14,7 @@ nothing is pinned per image.
 """
 from __future__ import annotations
 
+import bisect
 import ctypes
 import logging
 import math
@@ -244,8 +245,14 @@ def locks_files() -> bool:
 def maps_file(t: torch.Tensor) -> bool:
     """Whether host tensor ``t``'s bytes lie in a mapping of a file: pages that may be read-only
     (locked in place, or a loader's read-only mapping) and are never written."""
-    p = t.data_ptr()
-    return t.device.type == "cpu" and any(lo <= p < hi for lo, hi, *_ in _file_maps())
+    return t.device.type == "cpu" and _mapping_of(_file_maps(), t.data_ptr(), 1) is not None
+
+
+def _mapping_of(maps, p, nbytes):
+    """The mapping of ``maps`` (sorted by start, as /proc/self/maps lists them) that holds bytes
+    [p, p + nbytes), or None."""
+    k = bisect.bisect_right(maps, [p, math.inf]) - 1
+    return maps[k] if k >= 0 and p + nbytes <= maps[k][1] else None
 
 
 def _file_views(tensors) -> list | None:
@@ -259,7 +266,7 @@ def _file_views(tensors) -> list | None:
     where = []
     for t in tensors:
         p = t.data_ptr()
-        m = next((m for m in maps if m[0] <= p and p + t.nbytes <= m[1]), None)
+        m = _mapping_of(maps, p, t.nbytes)
         if m is None or t.is_meta or not t.is_contiguous():
             return None
         where.append((m[3], m[4], m[2] + p - m[0]))
