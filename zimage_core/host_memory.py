@@ -370,6 +370,8 @@ class HostPool:
         with _lock:
             if nbytes > self.room():
                 return None
+            for v in views:  # pages not in the page cache are read ahead in large reads, not faulted
+                advise_mapped(v)  # in a page at a time by the registration
             done = []
             for a, b in spans:
                 if torch.cuda.cudart().cudaHostRegister(a, b - a, _REGISTER_READ_ONLY) != 0:
