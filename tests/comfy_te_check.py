@@ -48,14 +48,12 @@ for prompt in prompts:
         torch.equal(a[0], b[0]) and a[1].keys() == b[1].keys() for a, b in zip(ours, stock)))
 del os.environ["ZIMAGE_PINNED_GIB"]
 res["pinned"] = zc.streamed_text_encoder(clip).patcher.pinned_memory_size()
-# a LoRA-style weight patch on the text encoder: ComfyUI's path, still equal to ComfyUI
+# a LoRA-style weight patch on the text encoder: ComfyUI's own path (not streamed), which applies it
 patched = clip.clone()
 key = next(k for k in patched.patcher.model.state_dict() if k.endswith("layers.0.mlp.down_proj.weight"))
 patched.add_patches({key: (torch.randn_like(patched.patcher.model.state_dict()[key]) * 0.01,)}, 1.0)
 res["streams_with_patches"] = zc.streamed_text_encoder(patched) is not None
 ours_patched = zc.encode(patched, prompts[0])[0][0]  # each encode of the 36 layers takes seconds on a CPU
-res["patched_equal"] = torch.equal(ours_patched,
-                                   patched.encode_from_tokens_scheduled(patched.tokenize(prompts[0]))[0][0])
 res["patch_changed"] = not torch.equal(ours_patched, first[0][0])
 res["log"] = [m for m in messages if "Z-Image" in m]
 res["after_encode_on_device"] = sorted({str(p.device) for p in clip.cond_stage_model.parameters()})

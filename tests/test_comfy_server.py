@@ -404,15 +404,15 @@ def test_free_releases_host_memory(comfy_server):
 
 
 def test_the_model_survives_prompts_and_the_budget_keeps_comfyuis_headroom(comfy_server):
-    """New prompt texts one after another: the MODEL stays cached (the transformer is not loaded
-    again) and, where ComfyUI has a RAM-pressure cache (v0.28), the pack's host budget keeps
-    the headroom the server was started with."""
+    """A new prompt text: the MODEL stays cached (the transformer is not loaded again; twenty new
+    prompts in a row on a GPU: docs/benchmarks.md) and, where ComfyUI has a RAM-pressure cache
+    (v0.28), the pack's host budget keeps the headroom the server was started with."""
     from comfy_server import CACHE_RAM_HEADROOM, has_cache_ram
     loads = lambda: comfy_server.log_text().count("Z-Image: loading the transformer")  # noqa: E731
     comfy_server.run(pack_workflow(prefix="survive"))  # the tests' prompt: often encoded already
     before = loads()
-    for text in ("a second prompt, new words", "a third prompt, other words"):
-        assert comfy_server.run(pack_workflow(prompt=text, prefix="survive"))["status"]["completed"]
+    entry = comfy_server.run(pack_workflow(prompt="a second prompt, new words", prefix="survive"))
+    assert entry["status"]["completed"]
     assert loads() == before, comfy_server.log_tail()
     said = [line for line in comfy_server.log_text().splitlines() if "Z-Image: host RAM:" in line]
     assert said, comfy_server.log_tail()

@@ -18,4 +18,4 @@ def test_streamed_text_encoder_matches_comfyui(tmp_path):
     disk = [m for m in res["log"] if "read from the disk for every new prompt" in m]
     assert len(disk) == 1 and "fp8" in disk[0] and "more RAM" in disk[0]
     # a weight patch on the text encoder (a LoRA) takes ComfyUI's path, and applies
-    assert not res["streams_with_patches"] and res["patched_equal"] and res["patch_changed"]
+    assert not res["streams_with_patches"] and res["patch_changed"]

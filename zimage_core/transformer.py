@@ -10,6 +10,7 @@ during a forward evicts one more layer and runs the forward again.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import time
 from dataclasses import dataclass
@@ -86,7 +87,8 @@ class ZImageTransformer(torch.nn.Module):
         self._warned = None                   # (file layers, streamed layers) last warned about
         self.patches_uuid = None              # id of the weight-patch set (LoRA) now in the weights
         self.patched_keys: set = set()        # canonical keys that set changed (prefixed as patched)
-        self._ratio = {}                      # tokens -> (compute/copy ratio, page-cache/pinned upload, decode/upload)
+        self._ratio = {}                      # tokens -> (compute/copy ratio, page-cache/pinned upload, upload seconds)
+        self._layer_decode_s = None           # a compressed layer's decode on this device, once measured
         self._fixed_checked = False           # the fixed part's values were checked where they run
         self.check_interrupt = check_interrupt or (lambda: None)
         model.runner = streamer
@@ -217,15 +219,17 @@ class ZImageTransformer(torch.nn.Module):
             whole = planner.plan(self.cfg, free, width, height, batch, host_room=self.host_room(), **sizes)
             if whole.fits and not whole.streamed_layers:
                 return self._capped(whole)
-        if mode != "off" and not (self.device.type == "cuda" and compression.decodes_on(self.device)):
-            mode = "off"  # it says why, once
         tokens = self.cfg.image_tokens(width, height) * batch
         if tokens not in self._ratio and self.device.type == "cuda":
-            self._ratio[tokens] = self._measure_ratio(tokens, decode=mode != "off")
-        ratio, file_copy, decode = self._ratio.get(tokens, (None, None, 0.0))
-        return self._capped(planner.plan(self.cfg, free, width, height, batch, compute_copy_ratio=ratio,
-                                         host_room=self.host_room(), file_copy=file_copy, compress=mode,
-                                         decode=decode, **sizes))
+            self._ratio[tokens] = self._measure_ratio(tokens)
+        ratio, file_copy, upload_s = self._ratio.get(tokens, (None, None, None))
+        split = functools.partial(planner.plan, self.cfg, free, width, height, batch, compute_copy_ratio=ratio,
+                                  host_room=self.host_room(), file_copy=file_copy, **sizes)
+        if mode == "auto" and ratio is not None and not split(compress="auto", decode=0.0).compressed:
+            mode = "off"  # not even a decode that took no time would shorten a step: no check to wait for
+        if mode != "off" and not (self.device.type == "cuda" and compression.decodes_on(self.device)):
+            mode = "off"  # it says why, once
+        return self._capped(split(compress=mode, decode=self._decode_ratio(upload_s) if mode != "off" else 0.0))
 
     def _capped(self, p: planner.Plan) -> planner.Plan:
         """``p`` under the user's cap on resident layers."""
@@ -414,14 +418,13 @@ class ZImageTransformer(torch.nn.Module):
         if owner in self.streamer.resident:
             layout.region(self.streamer.resident[owner], name).copy_(value)
 
-    def _measure_ratio(self, tokens, decode: bool) -> tuple:
+    def _measure_ratio(self, tokens) -> tuple:
         """Compute time of one layer over upload time of one layer: a matmul and an upload timed on
         this device, the rest is the planner's model. A layer's upload from the file through
         the staging ring over one from a pinned master: a chunk read into the staging buffer (from
         the page cache, or the disk where it is not cached: then more layers are pinned), each
         chunk's read overlapping the previous chunk's upload (None once every layer has a master).
-        And with ``decode`` (masters may be compressed), a layer's decode over its upload (a chunk
-        of the matmul's random weights, encoded and decoded here)."""
+        And a layer's upload in seconds."""
         cfg = self.cfg
         dev = self.device
         x = torch.randn(tokens + 512, cfg.dim, device=dev, dtype=self.dtype)
@@ -444,21 +447,23 @@ class ZImageTransformer(torch.nn.Module):
         upload_s = ev[2].elapsed_time(ev[3]) / 1e3
         ratio = planner.compute_copy_ratio(cfg, x.shape[0], rate, chunks * upload_s)
         s = self.streamer
-        decode = self._decode_s(w) / (chunks * upload_s) if decode else 0.0
         unpinned = [i for i in reversed(s.order) if s.host[i] is None]  # the last to become resident first
         if not unpinned:
-            return ratio, None, decode
+            return ratio, None, chunks * upload_s
         s.layout.fill(host, s.sources[unpinned[0]])  # untimed: the first read may fault the pages in
         start = time.perf_counter()
         s.layout.fill(host, s.sources[unpinned[0]])
-        return ratio, max(1.0, (time.perf_counter() - start) / upload_s), decode
+        return ratio, max(1.0, (time.perf_counter() - start) / upload_s), chunks * upload_s
 
-    def _decode_s(self, w) -> float:
-        """Seconds this device takes to decode one compressed layer, from one chunk's decode."""
-        flat = w.reshape(-1)[:compression.CHUNK].to(torch.bfloat16) * 0.02
-        chunks, packed = compression.encode_all(flat)
-        seconds = compression.decode_seconds(chunks, packed, torch.empty_like(flat))
-        return seconds * self.streamer.layout.numel / flat.numel()
+    def _decode_ratio(self, layer_upload_s: float) -> float:
+        """A compressed layer's decode on this device over a layer's upload; the decode measured
+        once, from one chunk of random weights encoded and decoded here."""
+        if self._layer_decode_s is None:
+            flat = (torch.randn(compression.CHUNK, device=self.device) * 0.02).to(torch.bfloat16)
+            chunks, packed = compression.encode_all(flat)
+            seconds = compression.decode_seconds(chunks, packed, torch.empty_like(flat))
+            self._layer_decode_s = seconds * self.streamer.layout.numel / flat.numel()
+        return self._layer_decode_s / layer_upload_s
 
     # -- running -----------------------------------------------------------------------------
 
