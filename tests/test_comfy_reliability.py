@@ -14,7 +14,7 @@ import pytest
 
 from comfy_env import comfyui_version, needs_comfyui
 from comfy_server import UNET
-from test_comfy_server import failing_run, messages, official_template, pack_workflow
+from test_comfy_server import failing_run, messages, node_of, pack_workflow
 
 pytestmark = needs_comfyui
 
@@ -83,11 +83,18 @@ def test_checkpoint_with_nan_is_named(server):
 
 
 def test_a_size_beyond_the_ram_is_refused_with_one_that_fits(server):
-    """8192x8192 through stock nodes with the pack's MODEL (the sampler node caps its sizes)."""
+    """8192x8192 through stock nodes (the pack's sampler node caps its sizes) with the pack's MODEL
+    and prompt: the pack's workflow with its sampler swapped for ComfyUI's KSampler on an empty
+    8192x8192 latent (the loaders and the encode are the pack workflow's, often cached)."""
     client, _ = server
-    wf = official_template(width=8192, height=8192, steps=1, prefix="huge")
-    wf["1"] = {"class_type": "ZImageModelLoader", "inputs": {
-        "unet_name": UNET, "weight_dtype": "default", "vram": "auto", "resident_layers": 30, "leave_free_gb": 0.0}}
+    wf = pack_workflow(prefix="huge")
+    sampler, encode = node_of(wf, "ZImageSampler"), node_of(wf, "ZImageTextEncode")
+    model = wf[sampler]["inputs"]["model"]
+    wf[sampler] = {"class_type": "KSampler", "inputs": {
+        "model": model, "seed": 42, "steps": 1, "cfg": 1.0, "sampler_name": "res_multistep", "scheduler": "simple",
+        "positive": [encode, 0], "negative": ["zero", 0], "latent_image": ["huge", 0], "denoise": 1.0}}
+    wf["zero"] = {"class_type": "ConditioningZeroOut", "inputs": {"conditioning": [encode, 0]}}
+    wf["huge"] = {"class_type": "EmptySD3LatentImage", "inputs": {"width": 8192, "height": 8192, "batch_size": 1}}
     err = _error(client, wf)
     msg = err["exception_message"]
     assert "8192x8192 does not fit" in msg and "RAM" in msg and "Try " in msg, msg
