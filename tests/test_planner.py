@@ -188,6 +188,18 @@ def test_auto_compresses_only_where_the_step_gets_shorter():
     assert "compressed" not in at(80, 0.02).summary() and "compressed" not in at(5.5, 0.5).summary()
 
 
+def test_a_decode_that_takes_no_time_is_compressions_best_case():
+    """Where a plan with a free decode is plain, so is every plan with a real one: the transformer
+    then plans plain without waiting for the kernels' check (a big card), and loses nothing."""
+    for ratio in (0.5, 0.7, 1.0):
+        for gib in (4.5, 5.5, 7.5, 9.5, 11.5):
+            at = [plan(FULL, int(gib * GiB), 1024, 1024, compute_copy_ratio=ratio, compress="auto",
+                       decode=d).compressed for d in (0.0, 0.02, 0.1, 0.3)]
+            assert at[0] or not any(at), (ratio, gib, at)
+            assert at == sorted(at, reverse=True), (ratio, gib, at)  # a slower decode never turns it on
+    assert not plan(FULL, int(11.5 * GiB), 1024, 1024, compute_copy_ratio=0.7, compress="auto", decode=0.0).compressed
+
+
 def test_compression_on_gives_way_where_its_buffers_do_not_fit():
     """On the plain floor the decode's two device buffers do not fit: "on" plans plain masters
     rather than refuse a card that makes the image (and names the plain floor where even that does
