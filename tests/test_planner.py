@@ -270,8 +270,8 @@ def test_planned_memory_covers_measured_peaks(w, h, batch, resident, slots, comp
 
 
 def test_a_plan_is_a_fresh_copy_each_time():
-    """Plans are remembered (the step simulations cost milliseconds at every image), but what one
-    caller changes does not reach the next."""
+    """The step simulations behind a plan are remembered (they cost milliseconds at every image),
+    but what one caller changes in its plan does not reach the next."""
     a = plan(FULL, int(5.5 * GiB), 1024, 1024, compute_copy_ratio=0.9)
     a.force(0, None)
     b = plan(FULL, int(5.5 * GiB), 1024, 1024, compute_copy_ratio=0.9)

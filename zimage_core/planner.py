@@ -15,7 +15,7 @@ compute/copy estimate two slots are used (classic double buffering).
 from __future__ import annotations
 
 import functools
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 
 import torch
 
@@ -356,15 +356,6 @@ def plan(cfg: ZImageConfig, free_bytes: int, width: int, height: int, batch: int
     unit). "on" compresses wherever the decode's two device buffers fit beside the rest; "auto"
     where that also makes the simulated step at least 2% shorter: where the copies hide behind the
     compute anyway, the decode only adds to it (``Plan.compressed``)."""
-    # a fresh copy (``Plan.force`` changes it) of a pure function's result: every image asks again,
-    # with the same arguments, and the step simulations take milliseconds of Python
-    return replace(_planned(cfg, free_bytes, width, height, batch, storage, dtype, compute_copy_ratio, host_room,
-                            file_copy, compress, decode))
-
-
-@functools.lru_cache(maxsize=64)
-def _planned(cfg, free_bytes, width, height, batch, storage, dtype, compute_copy_ratio, host_room, file_copy,
-             compress, decode) -> Plan:
     args = (cfg, free_bytes, width, height, batch, storage, dtype, compute_copy_ratio, host_room, file_copy)
     if compress == "off" or storage != torch.bfloat16:
         return _plan(*args)[0]
