@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import attention_input
 from .config import ZImageConfig
 
 
@@ -80,13 +81,6 @@ def rope_freqs(ids, axes_dims, theta):
     return emb.unsqueeze(2)
 
 
-def apply_rope(x, freqs):
-    x_ = x.to(freqs.dtype).reshape(*x.shape[:-1], -1, 1, 2)
-    out = freqs[..., 0] * x_[..., 0]
-    out.addcmul_(freqs[..., 1], x_[..., 1])
-    return out.reshape(*x.shape).type_as(x)
-
-
 def sdpa_attention(q, k, v, heads):
     """[B, H, L, D] q, k, v -> [B, L, H*D]. ComfyUI's ``optimized_attention`` has this signature,
     so inside ComfyUI the same attention kernel as its native Z-Image can be used."""
@@ -124,7 +118,7 @@ class Linear(nn.Module):
 class _QKNorms(nn.Module):
     def __init__(self, head_dim):
         super().__init__()
-        # ComfyUI builds these without eps, so torch uses finfo(dtype).eps
+        # their weights only: ``attention_input`` applies them, without an eps of their own as ComfyUI
         self.q_norm = RMSNorm(head_dim, None)
         self.k_norm = RMSNorm(head_dim, None)
 
@@ -146,12 +140,8 @@ class Block(nn.Module):
     def attend(self, x, freqs, w: BigWeights, chunks: Chunks | None = None):
         b, n, _ = x.shape
         qkv = linear(x, w.qkv) if chunks is None else _rowwise(lambda y: linear(y, w.qkv), x, chunks.rows, chunks.tick)
-        q, k, v = qkv.split(self.n_heads * self.head_dim, dim=-1)
-        q = self.attention.q_norm(q.view(b, n, self.n_heads, self.head_dim))
-        k = self.attention.k_norm(k.view(b, n, self.n_heads, self.head_dim))
-        v = v.view(b, n, self.n_heads, self.head_dim)
-        q, k = apply_rope(q, freqs), apply_rope(k, freqs)
-        q, k, v = q.movedim(1, 2), k.movedim(1, 2), v.movedim(1, 2)
+        q, k, v = attention_input.make(qkv, self.attention.q_norm.weight, self.attention.k_norm.weight, freqs,
+                                       self.n_heads, self.head_dim)
         if chunks is None:
             return linear(self.attention_fn(q, k, v, self.n_heads), w.out)
         out = []

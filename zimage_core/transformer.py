@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import compression, planner
+from . import attention_input, compression, planner
 from .checkpoint import Checkpoint
 from .config import BIG_KEYS, ZImageConfig
 from .errors import CheckpointError, NonFiniteWeights, OutOfDeviceMemory, ZImageError
@@ -135,6 +135,7 @@ class ZImageTransformer(torch.nn.Module):
             fixed = DeviceCopies(module_tensors(model), dev, pool)
             t = cls(model, streamer, ckpt, fixed, settings, check_interrupt)
             check_decode_soon(dev, t.total_bytes, streamer.can_compress)
+            attention_input.check_soon(dev)  # its kernel compiles beside the prompt's encode
             if home == dev:
                 t.to_device()
             return t

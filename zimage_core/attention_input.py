@@ -1,0 +1,167 @@
+"""The attention's inputs from a block's qkv projection: the query and key RMS norms, the rotary
+embedding, and the head-major layout that attention reads. On CUDA one Triton kernel makes them
+(one token a program); elsewhere, or where it does not run, torch's ops (``torch_path``).
+
+torch's ops take eleven launches a block for this, over fp32 copies of q and k (the rotation runs
+in fp32, as in ComfyUI): 17 of the 108 ms of GPU time in a step at 1024x1024 on an H200 (measured
+with torch.profiler), where the matrix products take 59. The kernel reads qkv once and writes q,
+k and v once.
+
+It computes what the torch path computes, in the same precisions: the norm in fp32, rounded to the
+activation dtype, then rotated in fp32 and rounded again. Its sums of squares run in another order
+than torch's kernel, so a value can come out one unit in the last place apart from the torch path
+(``check``). Whether it runs is decided once per device, before the first forward uses it, so a
+model's output never depends on timing; streamed and resident blocks run the same kernel.
+Where Triton does not import or compile, the torch path runs and the console says so once.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
+
+
+# torch's rms_norm without an eps uses that of the dtype it computes in (fp32 for bf16 and fp16)
+_EPS = torch.finfo(torch.float32).eps
+
+
+@functools.cache
+def _kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def attention_input(qkv, q_weight, k_weight, freqs, q, k, v, tokens, row_stride, eps,
+                        H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr):
+        """Program t: token t (of batch t // tokens); qkv rows are [q heads | k heads | v heads]."""
+        t = tl.program_id(0).to(tl.int64)
+        heads = tl.arange(0, HP)[:, None]
+        pairs = tl.arange(0, D // 2)[None, :]
+        cols = tl.arange(0, D)[None, :]
+        mask = heads < H
+        src = qkv + t * row_stride
+        f = freqs + t * (2 * D) + pairs * 4  # [D/2, 2, 2] rotation matrices of this token
+        f00, f01, f10, f11 = tl.load(f), tl.load(f + 1), tl.load(f + 2), tl.load(f + 3)
+        at = ((t // tokens) * H + heads) * tokens * D + (t % tokens) * D  # [B, H, L, D]
+        for which in tl.static_range(2):
+            if which == 0:
+                weight, dst = q_weight, q + at
+            else:
+                weight, dst = k_weight, k + at
+            x = src + which * H * D + heads * D + 2 * pairs
+            even = tl.load(x, mask=mask, other=0.0).to(tl.float32)
+            odd = tl.load(x + 1, mask=mask, other=0.0).to(tl.float32)
+            rstd = tl.rsqrt((tl.sum(even * even, axis=1) + tl.sum(odd * odd, axis=1)) / D + eps)[:, None]
+            # the norm's output is rounded to the activation dtype before the rotation reads it
+            ne = (tl.load(weight + 2 * pairs).to(tl.float32) * (rstd * even)).to(q.dtype.element_ty, fp_downcast_rounding="rtne")
+            no = (tl.load(weight + 2 * pairs + 1).to(tl.float32) * (rstd * odd)).to(q.dtype.element_ty, fp_downcast_rounding="rtne")
+            ne, no = ne.to(tl.float32), no.to(tl.float32)
+            out = tl.interleave(f00 * ne + f01 * no, f10 * ne + f11 * no)
+            tl.store(dst + cols, out.to(q.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
+        tl.store(v + at + cols, tl.load(src + 2 * H * D + heads * D + cols, mask=mask), mask=mask)
+
+    return attention_input
+
+
+def make(qkv, q_weight, k_weight, freqs, heads: int, head_dim: int):
+    """[B, L, 3*H*D] qkv, the q and k norm weights [D] and the rotations [B, L, 1, D/2, 2, 2] ->
+    q, k, v as [B, H, L, D]: the kernel's where it runs (``usable``), else torch's."""
+    if usable(qkv, freqs, head_dim):
+        return fused(qkv, q_weight, k_weight, freqs, heads, head_dim)
+    return torch_path(qkv, q_weight, k_weight, freqs, heads, head_dim)
+
+
+def usable(qkv: torch.Tensor, freqs: torch.Tensor, head_dim: int) -> bool:
+    """Whether these tensors are ones the kernel reads: on CUDA, contiguous, a power-of-two head
+    dimension, and the kernel checked on that device (``runs_on``; the first call waits for it)."""
+    return (qkv.is_cuda and qkv.is_contiguous() and freqs.is_contiguous() and freqs.dtype == torch.float32
+            and head_dim >= 4 and head_dim & (head_dim - 1) == 0 and runs_on(qkv.device))
+
+
+def fused(qkv, q_weight, k_weight, freqs, heads: int, head_dim: int):
+    """``make``'s q, k, v from the kernel, each contiguous. Its inputs must be contiguous."""
+    b, n, _ = qkv.shape
+    q, k, v = (torch.empty(b, heads, n, head_dim, dtype=qkv.dtype, device=qkv.device) for _ in range(3))
+    hp = 1 << (heads - 1).bit_length()
+    _kernel()[(b * n,)](qkv, q_weight, k_weight, freqs, q, k, v, n, qkv.stride(1), _EPS,
+                        H=heads, HP=hp, D=head_dim)
+    return q, k, v
+
+
+def torch_path(qkv, q_weight, k_weight, freqs, heads: int, head_dim: int):
+    """``make``'s q, k, v from torch's ops: norms without an eps of their own (as ComfyUI builds
+    them), rotation in fp32, then head-major views."""
+    b, n, _ = qkv.shape
+    q, k, v = (t.view(b, n, heads, head_dim) for t in qkv.split(heads * head_dim, dim=-1))
+    q = F.rms_norm(q, (head_dim,), q_weight, None)
+    k = F.rms_norm(k, (head_dim,), k_weight, None)
+    q, k = rotate(q, freqs), rotate(k, freqs)
+    return q.movedim(1, 2), k.movedim(1, 2), v.movedim(1, 2)
+
+
+def rotate(x, freqs):
+    """The rotary embedding as ComfyUI computes it: in the rotations' fp32, rounded back."""
+    x_ = x.to(freqs.dtype).reshape(*x.shape[:-1], -1, 1, 2)
+    out = freqs[..., 0] * x_[..., 0]
+    out.addcmul_(freqs[..., 1], x_[..., 1])
+    return out.reshape(*x.shape).type_as(x)
+
+
+def check(device, units: int = 1) -> str | None:
+    """None where the kernel gives what the torch path gives on ``device``, to ``units`` in the last
+    place of bf16 at the scale of each head's vector (a rotated value near zero carries the
+    rounding of its larger inputs); otherwise why not. (Triton's interpreter, which runs it on the CPU in the tests,
+    rounds toward zero where the compiled kernel rounds to nearest: there the norm and the rotation
+    can each be one unit off.)"""
+    g = torch.Generator().manual_seed(0)
+    heads, head_dim, n = 3, 128, 37
+    qkv = (torch.randn(2, n, 3 * heads * head_dim, generator=g) * 4).to(device=device, dtype=torch.bfloat16)
+    w = [(1 + torch.randn(head_dim, generator=g) / 4).to(device=device, dtype=torch.bfloat16) for _ in range(2)]
+    angles = torch.rand(2, n, 1, head_dim // 2, generator=g) * 6.3
+    c, s = torch.cos(angles), torch.sin(angles)
+    freqs = torch.stack([c, -s, s, c], dim=-1).reshape(2, n, 1, head_dim // 2, 2, 2).to(device)
+    got = fused(qkv, w[0], w[1], freqs, heads, head_dim)
+    want = torch_path(qkv, w[0], w[1], freqs, heads, head_dim)
+    for name, a, b in zip("qkv", got, want):
+        a, b = a.float(), b.float()
+        if not torch.isfinite(a).all():
+            return f"its {name} is not finite"
+        if ((a - b).abs() > b.abs().amax(-1, keepdim=True) * units * 2 ** -7).any():
+            return f"its {name} differs from torch's by more than {units} unit(s) in the last place"
+    return None
+
+
+_answers = {}  # device -> whether the kernel runs there
+_asking = threading.Lock()
+
+
+def runs_on(device) -> bool:
+    """Whether the kernel runs on this CUDA device (compiled once, then ``check``ed); if not, the
+    console says once why. A caller on any thread waits for the answer of a check under way."""
+    device = torch.device(device)
+    with _asking:
+        if device not in _answers:
+            try:
+                reason = check(device)
+            except Exception as e:  # no Triton, no compiler, an unsupported GPU: the same here
+                reason = f"{type(e).__name__}: {e}".splitlines()[0][:200]
+            if reason:
+                log.warning("Z-Image: the fused attention-input kernel is off on %s (%s); torch's ops "
+                            "run instead (slower, same images). It needs Triton (Linux: ships with torch; "
+                            "Windows: pip install triton-windows).", device, reason)
+            _answers[device] = reason is None
+        return _answers[device]
+
+
+def check_soon(device):
+    """Start ``runs_on``'s check on a thread of its own when a model is loaded: compiling takes a
+    second or more (from Triton's cache on disk, a few tenths), which then runs beside the prompt's
+    encode instead of before the first step."""
+    device = torch.device(device)
+    if device.type == "cuda" and device not in _answers:
+        threading.Thread(target=runs_on, args=(device,), name="zimage-attention-check", daemon=True).start()
