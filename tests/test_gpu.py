@@ -45,6 +45,29 @@ def test_the_attention_input_kernel_runs_and_gives_torchs_values(tiny_file, monk
     assert torch.allclose(fused, plain, rtol=0.05, atol=0.05), (fused - plain).abs().max()
 
 
+def test_device_timing_leaves_out_a_busy_interpreter():
+    """A matmul timed while another thread keeps the interpreter lock busy (as a Triton compile
+    beside the first plan does) takes the device's time, not the time its launches waited."""
+    import threading
+    from zimage_core.device_timing import device_seconds
+    x = torch.randn(4096, 2048, device="cuda", dtype=torch.bfloat16)
+    run = lambda: [x @ x.T for _ in range(5)]  # noqa: E731
+    quiet = device_seconds(run)
+    stop = threading.Event()
+
+    def spin():
+        while not stop.is_set():
+            sum(range(1000))
+    t = threading.Thread(target=spin)
+    t.start()
+    try:
+        busy = device_seconds(run)
+    finally:
+        stop.set()
+        t.join()
+    assert busy < 1.5 * quiet, (busy, quiet)
+
+
 def test_planned_split_uses_free_memory(tiny_file):
     m = ZImageTransformer.load(tiny_file, device="cuda")
     p = m.prepare(256, 256)

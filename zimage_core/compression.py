@@ -23,13 +23,13 @@ from __future__ import annotations
 
 import logging
 import os
-import statistics
 import threading
 from dataclasses import dataclass
 
 import torch
 
 from . import triton_decode
+from .device_timing import device_seconds
 from .errors import SettingError
 
 log = logging.getLogger("zimage")
@@ -215,23 +215,9 @@ def decode_all(chunks, packed: torch.Tensor, dst: torch.Tensor):
 
 def decode_seconds(chunks, packed: torch.Tensor, dst: torch.Tensor, repeats: int = 3) -> float:
     """Seconds a CUDA device takes to decode ``chunks`` from ``packed`` into ``dst`` (both on it),
-    as the streamer does (one run, its table made beforehand): the median of ``repeats`` timed
-    decodes after an untimed one (the kernels' first launch). Each is queued behind a short spin of
-    the device, so what is timed is the device's work, not the launches (on the streamer's copy
-    path they are queued ahead of the data). The table is made outside the timing: its upload
-    from pageable memory would wait for the spin and put the launches' time back in."""
+    as the streamer does (one run, its table made beforehand, outside the timing)."""
     rows = table(chunks, dst.device)
-    decode_run(packed, chunks, dst, rows)
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(20_000_000)  # about 10 ms of clock cycles: the launches below queue up behind it
-        start.record()
-        decode_run(packed, chunks, dst, rows)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times)
+    return device_seconds(lambda: decode_run(packed, chunks, dst, rows), repeats)
 
 
 _checked = {}  # device -> whether the device decode runs there

@@ -24,6 +24,7 @@ from .errors import CheckpointError, NonFiniteWeights, OutOfDeviceMemory, ZImage
 from . import host_memory
 from .host_memory import HostPool, available_ram, locks_files
 from .device_copies import DeviceCopies, module_tensors
+from .device_timing import device_seconds
 from .dit import Chunks, ZImageDiT
 from .streamer import LayerStreamer, PackLayout, all_finite, staging_bytes
 
@@ -433,19 +434,15 @@ class ZImageTransformer(torch.nn.Module):
         host = self.streamer.staging_buffer()  # what an upload copies from (pinned if the budget has room)
         dst = torch.empty_like(host, device=dev)
         chunks = self.streamer.layout.numel / host.numel()  # a layer is uploaded in this many chunks
-        ev = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
-        for _ in range(2):
-            torch.nn.functional.linear(x, w)
-            ev[0].record()
-            for _ in range(5):
-                torch.nn.functional.linear(x, w)
-            ev[1].record()
-            ev[2].record()
-            dst.copy_(host, non_blocking=True)
-            ev[3].record()
+        matmul_s = device_seconds(lambda: [torch.nn.functional.linear(x, w) for _ in range(5)]) / 5
+        if host.is_pinned():
+            upload_s = device_seconds(lambda: dst.copy_(host, non_blocking=True))
+        else:  # a pageable copy returns once the device has done it (``device_seconds``)
             torch.cuda.synchronize(dev)
-        rate = 5 * 2 * x.shape[0] * cfg.dim * cfg.ffn_dim / (ev[0].elapsed_time(ev[1]) / 1e3)
-        upload_s = ev[2].elapsed_time(ev[3]) / 1e3
+            start = time.perf_counter()
+            dst.copy_(host)
+            upload_s = time.perf_counter() - start
+        rate = 2 * x.shape[0] * cfg.dim * cfg.ffn_dim / matmul_s
         ratio = planner.compute_copy_ratio(cfg, x.shape[0], rate, chunks * upload_s)
         s = self.streamer
         unpinned = [i for i in reversed(s.order) if s.host[i] is None]  # the last to become resident first
