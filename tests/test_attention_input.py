@@ -36,7 +36,7 @@ def test_the_kernel_gives_torchs_values_in_tritons_interpreter():
     """The kernel on bf16 activations against torch's ops, to one unit in the last place where it
     is compiled and two in the interpreter (which rounds toward zero)."""
     pytest.importorskip("triton", reason="Triton is not installed (it comes with torch's CUDA builds)")
-    code = "from zimage_core import attention_input as a; r = a.check('cpu', units=2); assert r is None, r"
+    code = "from zimage_core import attention_input as a; r = a.check('cpu', units=2, tokens=5); assert r is None, r"
     r = subprocess.run([sys.executable, "-c", code], cwd=_ROOT, capture_output=True, text=True,
                        env={**os.environ, "TRITON_INTERPRET": "1"}, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]

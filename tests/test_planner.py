@@ -121,21 +121,34 @@ def test_a_16_gb_machine_pins_less_than_a_32_gb_one():
     assert small.pinned_layers < large.pinned_layers == large.streamed_layers
 
 
-def test_plan_command():
+def _plan_here(capsys, *args):
+    """``python -m zimage_core plan ARGS`` in this process (the first call of the test runs the real
+    command line): (exit status, stdout, stderr)."""
+    from zimage_core.__main__ import main
+    code = 0
+    try:
+        main(["plan", *args])
+    except SystemExit as e:
+        code = e.code
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_plan_command(capsys):
     r = _cli("plan", "--vram-gib", "11.5", "--width", "1024", "--height", "1024", "--json")
     assert r.returncode == 0, r.stderr
     p = json.loads(r.stdout)
     for key in ("resident_layers", "streamed_layers", "device_bytes", "pinned_host_bytes"):
         assert key in p
     assert p["resident_layers"] + p["streamed_layers"] == FULL.n_blocks
-    text = _cli("plan", "--vram-gib", "7.5")
-    assert text.returncode == 0 and "layers on the GPU" in text.stdout and "pinned host bytes" in text.stdout
-    ram = _cli("plan", "--vram-gib", "2.8", "--ram-gib", "6")
-    assert ram.returncode == 0 and "from the page cache" in ram.stdout and "host RAM available   6.00 GiB" in ram.stdout
-    host = json.loads(_cli("plan", "--vram-gib", "7.5", "--ram-gib", "28", "--json").stdout)["host"]
+    code, text, _ = _plan_here(capsys, "--vram-gib", "7.5")
+    assert code == 0 and "layers on the GPU" in text and "pinned host bytes" in text
+    code, ram, _ = _plan_here(capsys, "--vram-gib", "2.8", "--ram-gib", "6")
+    assert code == 0 and "from the page cache" in ram and "host RAM available   6.00 GiB" in ram
+    host = json.loads(_plan_here(capsys, "--vram-gib", "7.5", "--ram-gib", "28", "--json")[1])["host"]
     assert host["available"] == 28 * GiB and host["layers"] > 0
-    bad = _cli("plan", "--vram-gib", "8", "--width", "1000")
-    assert bad.returncode != 0 and "multiples of 16" in bad.stderr
+    code, _, err = _plan_here(capsys, "--vram-gib", "8", "--width", "1000")
+    assert code != 0 and "multiples of 16" in err
 
 
 def test_bench_command_on_cpu(tiny_file):
