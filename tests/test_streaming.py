@@ -1,6 +1,5 @@
 """Streamed output is bit-identical to resident output for every split, through eviction,
 promotion and the out-of-memory evict-and-retry path."""
-from dataclasses import replace
 
 import pytest
 import torch
@@ -95,25 +94,40 @@ def test_sampling_is_identical_streamed_and_resident(model):
     assert len(uploads) == 3 * (TINY.n_blocks - 1)
 
 
-def test_out_of_memory_evicts_and_retries(tiny_file):
+def _device_of(m, budget):
+    """Make ``m``'s forwards run out of memory whenever its layers, slots, fixed part and the step's
+    activations would need more than ``budget`` bytes: a small GPU, on the CPU."""
+    from zimage_core import planner
+    run = m.model.forward
+
+    def forward(x, *args, **kwargs):
+        need = m.cfg.fixed_params() * m.dtype.itemsize + m.streamer.device_bytes + planner.activation_bytes(
+            m.cfg, x.shape[-1] * 8, x.shape[-2] * 8, x.shape[0], dtype=m.dtype, storage=m.storage_dtype)
+        if need > budget:
+            raise torch.OutOfMemoryError(f"a device of {budget} bytes: {need} needed")
+        return run(x, *args, **kwargs)
+    return forward
+
+
+def test_out_of_memory_evicts_and_retries(tiny_file, monkeypatch):
     m = ZImageTransformer.load(tiny_file, device="cpu", dtype="fp32")
     try:
         x, t, ctx = inputs(TINY)
         m.prepare(64, 48, resident_layers=TINY.n_blocks)
         ref = m(x, t, ctx)
         splits = []
-        m.settings = replace(m.settings, device_budget=1)  # far too little: must end with everything streamed
-        with pytest.raises(OutOfDeviceMemory, match="even with every layer streamed"), m.status_to(splits.append):
-            m(x, t, ctx)
+        with monkeypatch.context() as mp:
+            mp.setattr(m.model, "forward", _device_of(m, 1))  # far too little: must end with everything streamed
+            with pytest.raises(OutOfDeviceMemory, match="even with every layer streamed"), m.status_to(splits.append):
+                m(x, t, ctx)
         assert m.streamer.n_resident == 0
-        # a budget that holds two resident layers less than all of them
-        m.settings = replace(m.settings, device_budget=None)
+        # a device that holds two resident layers less than all of them
         m.prepare(64, 48, resident_layers=TINY.n_blocks)
         layer = m.streamer.layout.nbytes
         from zimage_core import planner
         act = planner.activation_bytes(TINY, 64, 48, 1, dtype=torch.float32, storage=torch.float32)
         fixed = TINY.fixed_params() * 4
-        m.settings = replace(m.settings, device_budget=fixed + act + (TINY.n_blocks - 1) * layer)
+        monkeypatch.setattr(m.model, "forward", _device_of(m, fixed + act + (TINY.n_blocks - 1) * layer))
         splits.clear()
         with m.status_to(splits.append):
             out = m(x, t, ctx)

@@ -56,7 +56,6 @@ class Settings:
     max_resident: int | None = None   # the most layers kept on the device (None: as many as fit)
     leave_free: int = 0               # bytes of device memory the plan leaves to others
     pinned_cap: int | None = None     # host bytes this model may hold, beside the process-wide budget
-    device_budget: int | None = None  # plan and run as if the device had this many bytes (tests, simulations)
     # bf16 masters stored compressed, fewer bytes in RAM and over the bus: "off", "on", or "auto"
     # (where the planner finds that it shortens the step: ``planner.plan``)
     compress: str = "off"
@@ -189,8 +188,6 @@ class ZImageTransformer(torch.nn.Module):
     def free_bytes(self) -> int:
         """Device memory this model could use: what is free plus its own layers and slots. On the CPU:
         the RAM that is available (the layers are in it already)."""
-        if self.settings.device_budget is not None:
-            return self.settings.device_budget
         if self.device.type == "cpu":
             avail = available_ram()
             return 1 << 62 if avail is None else avail
@@ -476,7 +473,6 @@ class ZImageTransformer(torch.nn.Module):
         chunks = self.chunks(x.shape[-1] * 8, x.shape[-2] * 8, x.shape[0])
         while True:
             try:
-                self._check_budget(x)
                 out = self.model(x, timesteps, context, num_tokens, attention_mask, transformer_options,
                                  chunks=chunks, tick=self.check_interrupt, **kw)
                 self.streamer.pool.report("transformer")
@@ -508,11 +504,3 @@ class ZImageTransformer(torch.nn.Module):
                                   "The file is damaged: download it again.")
         self._fixed_checked = True
 
-    def _check_budget(self, x):
-        budget = self.settings.device_budget
-        if budget is None:
-            return
-        need = self.cfg.fixed_params() * self.dtype.itemsize + self.streamer.device_bytes + planner.activation_bytes(
-            self.cfg, x.shape[-1] * 8, x.shape[-2] * 8, x.shape[0], dtype=self.dtype, storage=self.storage_dtype)
-        if need > budget:
-            raise torch.OutOfMemoryError(f"injected budget: {need} > {budget}")
