@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import functools
 import logging
-import threading
 
 import torch
 import torch.nn.functional as F
+
+from .device_check import DeviceCheck
 
 log = logging.getLogger(__name__)
 
@@ -136,32 +137,19 @@ def check(device, units: int = 1, tokens: int = 37) -> str | None:
     return None
 
 
-_answers = {}  # device -> whether the kernel runs there
-_asking = threading.Lock()
+def _runs(device) -> bool:
+    """Whether the kernel compiles on this CUDA device and passes ``check``; if not, the console
+    says why."""
+    try:
+        reason = check(device)
+    except Exception as e:  # no Triton, no compiler, an unsupported GPU: the same here
+        reason = f"{type(e).__name__}: {e}".splitlines()[0][:200]
+    if reason:
+        log.warning("Z-Image: the fused attention-input kernel is off on %s (%s); torch's ops "
+                    "run instead (slower, same images). It needs Triton (Linux: ships with torch; "
+                    "Windows: pip install triton-windows).", device, reason)
+    return reason is None
 
 
-def runs_on(device) -> bool:
-    """Whether the kernel runs on this CUDA device (compiled once, then ``check``ed); if not, the
-    console says once why. A caller on any thread waits for the answer of a check under way."""
-    device = torch.device(device)
-    with _asking:
-        if device not in _answers:
-            try:
-                reason = check(device)
-            except Exception as e:  # no Triton, no compiler, an unsupported GPU: the same here
-                reason = f"{type(e).__name__}: {e}".splitlines()[0][:200]
-            if reason:
-                log.warning("Z-Image: the fused attention-input kernel is off on %s (%s); torch's ops "
-                            "run instead (slower, same images). It needs Triton (Linux: ships with torch; "
-                            "Windows: pip install triton-windows).", device, reason)
-            _answers[device] = reason is None
-        return _answers[device]
-
-
-def check_soon(device):
-    """Start ``runs_on``'s check on a thread of its own when a model is loaded: compiling takes a
-    second or more (from Triton's cache on disk, a few tenths), which then runs beside the prompt's
-    encode instead of before the first step."""
-    device = torch.device(device)
-    if device.type == "cuda" and device not in _answers:
-        threading.Thread(target=runs_on, args=(device,), name="zimage-attention-check", daemon=True).start()
+# asked by the first forward; started early when a model loads (``transformer``)
+runs_on = DeviceCheck(_runs, "zimage-attention-check")

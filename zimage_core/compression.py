@@ -23,12 +23,12 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 from dataclasses import dataclass
 
 import torch
 
 from . import triton_decode
+from .device_check import DeviceCheck
 from .device_timing import device_seconds
 from .errors import SettingError
 
@@ -220,30 +220,9 @@ def decode_seconds(chunks, packed: torch.Tensor, dst: torch.Tensor, repeats: int
     return device_seconds(lambda: decode_run(packed, chunks, dst, rows), repeats)
 
 
-_checked = {}  # device -> whether the device decode runs there
-_checking = threading.Lock()
-
-
-def decodes_on(device: torch.device) -> bool:
-    """Whether the device decode (``triton_decode``) runs on this CUDA device: the kernels are
-    compiled once and must give back every bf16 bit pattern that was encoded; if not, the console
-    says once why. A caller on any thread waits for the answer of a check already under way."""
-    with _checking:
-        if device not in _checked:
-            _checked[device] = _check(device)
-        return _checked[device]
-
-
-def check_soon(device: torch.device):
-    """Start ``decodes_on``'s check on a thread of its own. Compiling the kernels takes a second or
-    more (from Triton's cache on disk, a few tenths): started when a prompt for a model that will
-    stream is encoded (``transformer.check_decode_soon``), it runs beside the encode instead of
-    before the first step. Nothing starts once the answer is known."""
-    if device not in _checked:
-        threading.Thread(target=decodes_on, args=(device,), name="zimage-decode-check", daemon=True).start()
-
-
-def _check(device: torch.device) -> bool:
+def _decodes(device: torch.device) -> bool:
+    """Whether the device decode (``triton_decode``) runs on this CUDA device: the kernels compile
+    and give back every bf16 bit pattern that was encoded; if not, the console says why."""
     try:
         flat = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).to(device)
         chunks, packed = encode_all(flat)
@@ -258,3 +237,8 @@ def _check(device: torch.device) -> bool:
                 "It needs Triton (Linux: ships with torch; Windows: pip install triton-windows).",
                 device, reason.splitlines()[0][:200])
     return False
+
+
+# asked by the first plan that may compress; started early where a prompt for a model that will
+# stream is encoded (``transformer.check_decode_soon``)
+decodes_on = DeviceCheck(_decodes, "zimage-decode-check")

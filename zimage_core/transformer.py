@@ -64,10 +64,10 @@ class Settings:
 def check_decode_soon(device, total_bytes: int, compress: bool = True):
     """Where a model of ``total_bytes`` will stream on ``device`` (it does not fit in what is free)
     and may store its layers compressed, start the check whether the decode runs there
-    (``compression.check_soon``): the first plan asks it, and its kernel compiles take a second."""
+    (``compression.decodes_on.soon``): the first plan asks it, and its kernel compiles take a second."""
     device = torch.device(device)
     if compress and device.type == "cuda" and total_bytes > planner.device_free_bytes(device):
-        compression.check_soon(device)
+        compression.decodes_on.soon(device)
 
 
 class ZImageTransformer(torch.nn.Module):
@@ -135,7 +135,7 @@ class ZImageTransformer(torch.nn.Module):
             fixed = DeviceCopies(module_tensors(model), dev, pool)
             t = cls(model, streamer, ckpt, fixed, settings, check_interrupt)
             check_decode_soon(dev, t.total_bytes, streamer.can_compress)
-            attention_input.check_soon(dev)  # its kernel compiles beside the prompt's encode
+            attention_input.runs_on.soon(dev)  # its kernel compiles beside the prompt's encode
             if home == dev:
                 t.to_device()
             return t
