@@ -260,13 +260,16 @@ def test_ratio_command_reports_each_layer_and_the_whole(tmp_path):
 # Peaks measured on an H200 (core benchmark, 512 prompt tokens, PyTorch's native allocator): what
 # torch reserved at its peak, GiB, with every layer streamed through one slot ("floor") or with
 # the split given. The planner's memory for the same split must cover each and exceed it by at
-# most 10% where that split is the floor.
+# most 10% where that split is the floor. A floor's peak is lower on its own card (the allocator
+# keeps fewer blocks where it has no room) than on a larger one: both are here.
 MEASURED_PEAKS = [  # (width, height, batch, resident, slots, compressed, reserved GiB)
     (1024, 1024, 1, 0, 1, False, 1.396),
+    (1024, 1024, 1, 0, 1, False, 1.297),  # on its floor's card
     (768, 768, 1, 0, 1, False, 1.105),
     (1536, 1536, 1, 0, 1, False, 1.969),
     (1536, 1536, 1, 5, 4, False, 4.725),
     (1024, 1024, 4, 2, 3, False, 4.750),
+    (1024, 1024, 4, 0, 1, False, 3.340),  # on its floor's card
     (1024, 1024, 1, 2, 2, True, 2.717),
 ]
 

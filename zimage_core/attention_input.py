@@ -39,29 +39,30 @@ def _kernel():
     @triton.jit
     def attention_input(qkv, q_weight, k_weight, freqs, q, k, v, tokens, row_stride, eps,
                         H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr):
-        """Program t: token t (of batch t // tokens); qkv rows are [q heads | k heads | v heads]."""
+        """Program t: token t (of batch t // tokens); qkv rows are [q heads | k heads | v heads].
+        Every load is contiguous; even and odd elements are split in registers."""
         t = tl.program_id(0).to(tl.int64)
         heads = tl.arange(0, HP)[:, None]
-        pairs = tl.arange(0, D // 2)[None, :]
         cols = tl.arange(0, D)[None, :]
         mask = heads < H
         src = qkv + t * row_stride
-        f = freqs + t * (2 * D) + pairs * 4  # [D/2, 2, 2] rotation matrices of this token
-        f00, f01, f10, f11 = tl.load(f), tl.load(f + 1), tl.load(f + 2), tl.load(f + 3)
+        # this token's [D/2, 2, 2] rotation matrices, as (row, column) pairs
+        f = tl.reshape(tl.load(freqs + t * (2 * D) + tl.arange(0, 2 * D)), (D // 2, 2, 2))
+        first, second = tl.split(f)  # columns 0 and 1
+        f00, f10 = tl.split(first)
+        f01, f11 = tl.split(second)
+        f00, f01, f10, f11 = f00[None, :], f01[None, :], f10[None, :], f11[None, :]
         at = ((t // tokens) * H + heads) * tokens * D + (t % tokens) * D  # [B, H, L, D]
         for which in tl.static_range(2):
             if which == 0:
                 weight, dst = q_weight, q + at
             else:
                 weight, dst = k_weight, k + at
-            x = src + which * H * D + heads * D + 2 * pairs
-            even = tl.load(x, mask=mask, other=0.0).to(tl.float32)
-            odd = tl.load(x + 1, mask=mask, other=0.0).to(tl.float32)
-            rstd = tl.rsqrt((tl.sum(even * even, axis=1) + tl.sum(odd * odd, axis=1)) / D + eps)[:, None]
+            x = tl.load(src + which * H * D + heads * D + cols, mask=mask, other=0.0).to(tl.float32)
+            rstd = tl.rsqrt(tl.sum(x * x, axis=1) / D + eps)[:, None]
             # the norm's output is rounded to the activation dtype before the rotation reads it
-            ne = (tl.load(weight + 2 * pairs).to(tl.float32) * (rstd * even)).to(q.dtype.element_ty, fp_downcast_rounding="rtne")
-            no = (tl.load(weight + 2 * pairs + 1).to(tl.float32) * (rstd * odd)).to(q.dtype.element_ty, fp_downcast_rounding="rtne")
-            ne, no = ne.to(tl.float32), no.to(tl.float32)
+            n = (tl.load(weight + cols).to(tl.float32) * (rstd * x)).to(q.dtype.element_ty, fp_downcast_rounding="rtne")
+            ne, no = tl.split(tl.reshape(n.to(tl.float32), (HP, D // 2, 2)))
             out = tl.interleave(f00 * ne + f01 * no, f10 * ne + f11 * no)
             tl.store(dst + cols, out.to(q.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
         tl.store(v + at + cols, tl.load(src + 2 * H * D + heads * D + cols, mask=mask), mask=mask)
@@ -151,5 +152,6 @@ def _runs(device) -> bool:
     return reason is None
 
 
-# asked by the first forward; started early when a model loads (``transformer``)
+# asked by the first forward; started early where a prompt is encoded or a model loads
+# (``transformer.check_kernels_soon``)
 runs_on = DeviceCheck(_runs, "zimage-attention-check")

@@ -240,5 +240,5 @@ def _decodes(device: torch.device) -> bool:
 
 
 # asked by the first plan that may compress; started early where a prompt for a model that will
-# stream is encoded (``transformer.check_decode_soon``)
+# stream is encoded (``transformer.check_kernels_soon``)
 decodes_on = DeviceCheck(_decodes, "zimage-decode-check")

@@ -25,7 +25,7 @@ from .streamer import PackLayout, residency_order, staging_bytes
 
 MiB = 1 << 20
 GiB = 1 << 30
-RESERVE = 176 * MiB  # cuBLAS workspaces and the allocator's rounding, whatever the image
+RESERVE = 160 * MiB  # cuBLAS workspaces and the allocator's rounding, whatever the image
 # compressed uploads: two device buffers of ``compression.GROUP_BYTES``, and what the encode's
 # temporaries (a chunk's, at a layer's first upload) leave split among the allocator's blocks (on an
 # H200 a compressed run held about 0.2 GiB more reserved beyond its tensors than a plain one)

@@ -61,12 +61,18 @@ class Settings:
     compress: str = "off"
 
 
-def check_decode_soon(device, total_bytes: int, compress: bool = True):
-    """Where a model of ``total_bytes`` will stream on ``device`` (it does not fit in what is free)
-    and may store its layers compressed, start the check whether the decode runs there
-    (``compression.decodes_on.soon``): the first plan asks it, and its kernel compiles take a second."""
+def check_kernels_soon(device, total_bytes: int, compress: bool = True):
+    """Start the once-per-device checks of the Triton kernels a model of ``total_bytes`` will run on
+    ``device``, each on a thread of its own: the attention inputs' on every GPU
+    (``attention_input.runs_on.soon``), the decode's where the model will stream (it does not fit in
+    what is free) and may store its layers compressed (``compression.decodes_on.soon``). The first
+    forward asks them, and their compiles take a second: started when the prompt's encode starts
+    (ComfyUI loads the transformer after it), they run beside the encode."""
     device = torch.device(device)
-    if compress and device.type == "cuda" and total_bytes > planner.device_free_bytes(device):
+    if device.type != "cuda":
+        return
+    attention_input.runs_on.soon(device)
+    if compress and total_bytes > planner.device_free_bytes(device):
         compression.decodes_on.soon(device)
 
 
@@ -134,8 +140,7 @@ class ZImageTransformer(torch.nn.Module):
             # while it computes, from one host master per dtype
             fixed = DeviceCopies(module_tensors(model), dev, pool)
             t = cls(model, streamer, ckpt, fixed, settings, check_interrupt)
-            check_decode_soon(dev, t.total_bytes, streamer.can_compress)
-            attention_input.runs_on.soon(dev)  # its kernel compiles beside the prompt's encode
+            check_kernels_soon(dev, t.total_bytes, streamer.can_compress)
             if home == dev:
                 t.to_device()
             return t

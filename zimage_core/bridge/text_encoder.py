@@ -12,7 +12,7 @@ from ..compression import compression_setting
 from ..config import FULL
 from ..host_memory import BUDGET, available_ram
 from ..stack_streaming import StreamedStack
-from ..transformer import check_decode_soon
+from ..transformer import check_kernels_soon
 from .memory import on_an_emptied_gpu_after_oom
 from .pinned import pinned_patcher
 
@@ -61,9 +61,9 @@ def encode(clip, text):
     """CONDITIONING for ``text``: ComfyUI's own encode, with the text encoder's decoder layers
     streamed when that is possible. Its weights, kernels and dtypes are the model's own, so the
     conditioning is the one ComfyUI computes with the text encoder loaded whole."""
-    # ComfyUI loads the transformer after the prompt is encoded: where it will stream, the decode's
-    # check starts now and runs beside the encode, not before the first step
-    check_decode_soon(clip.patcher.load_device, FULL.total_params() * torch.bfloat16.itemsize,
+    # ComfyUI loads the transformer after the prompt is encoded: the kernels' checks start now and
+    # run beside the encode, not before the first step
+    check_kernels_soon(clip.patcher.load_device, FULL.total_params() * torch.bfloat16.itemsize,
                       compression_setting() != "off")
     tokens = clip.tokenize(text)
     streamed = streamed_text_encoder(clip)
