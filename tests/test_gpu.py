@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from conftest import TINY, inputs
-from zimage_core import attention_input, host_memory
+from zimage_core import attention_input, elementwise, host_memory
 from tools.schedule import euler_sample
 from zimage_core.transformer import Settings, ZImageTransformer
 
@@ -29,17 +29,19 @@ def test_streamed_equals_resident_on_cuda(tiny_file, dtype):
     assert host_memory.live_bytes() == before
 
 
-def test_the_attention_input_kernel_runs_and_gives_torchs_values(tiny_file, monkeypatch):
-    """The fused norms and rotation compile here, agree with torch's ops to one unit in the last
-    place, and a model's output with them is torch's path's but for that rounding."""
+@pytest.mark.parametrize("kernels", [attention_input, elementwise], ids=["attention inputs", "norms"])
+def test_the_fused_kernels_run_and_give_torchs_values(tiny_file, monkeypatch, kernels):
+    """The fused kernels (the attention's inputs; the norms, residuals and SiLU gate) compile here,
+    agree with torch's ops to one unit in the last place, and a model's output with them is torch's
+    path's but for that rounding."""
     dev = torch.device("cuda")
-    assert attention_input.runs_on(dev)
-    assert attention_input.check(dev, units=1) is None
+    assert kernels.runs_on(dev)
+    assert kernels.check(dev, units=1) is None
     m = ZImageTransformer.load(tiny_file, device="cuda", dtype="bf16")
     x, _, ctx = inputs(TINY, width=128, height=96)
     m.prepare(128, 96, resident_layers=TINY.n_blocks)
     fused = euler_sample(m, x.cuda(), ctx.cuda(), steps=2)
-    monkeypatch.setattr(attention_input, "usable", lambda *a: False)
+    monkeypatch.setattr(kernels, "usable", lambda *a: False)
     plain = euler_sample(m, x.cuda(), ctx.cuda(), steps=2)
     m.release()
     assert torch.allclose(fused, plain, rtol=0.05, atol=0.05), (fused - plain).abs().max()

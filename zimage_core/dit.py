@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import attention_input
+from . import attention_input, elementwise
 from .config import ZImageConfig
 
 
@@ -152,20 +152,30 @@ class Block(nn.Module):
 
     def ffn(self, x, w: BigWeights, chunks: Chunks | None = None):
         def run(y):
-            return linear(clamp_fp16(F.silu(linear(y, w.w1)) * linear(y, w.w3)), w.w2)
+            return linear(clamp_fp16(elementwise.silu_gate(linear(y, w.w1), linear(y, w.w3))), w.w2)
         return run(x) if chunks is None else _rowwise(run, x, chunks.rows, chunks.tick)
 
     def forward(self, x, freqs, adaln, w: BigWeights, chunks: Chunks | None = None):
         if self.modulated:
             scale_msa, gate_msa, scale_mlp, gate_mlp = self.adaLN_modulation(adaln).chunk(4, dim=1)
-            x = x + gate_msa.unsqueeze(1).tanh() * self.attention_norm2(clamp_fp16(
-                self.attend(self.attention_norm1(x) * (1 + scale_msa.unsqueeze(1)), freqs, w, chunks)))
-            x = x + gate_mlp.unsqueeze(1).tanh() * self.ffn_norm2(clamp_fp16(
-                self.ffn(self.ffn_norm1(x) * (1 + scale_mlp.unsqueeze(1)), w, chunks)))
+            x = self._gated(x, self.attend(self._scaled(x, self.attention_norm1, 1 + scale_msa), freqs, w, chunks),
+                            self.attention_norm2, gate_msa.tanh())
+            x = self._gated(x, self.ffn(self._scaled(x, self.ffn_norm1, 1 + scale_mlp), w, chunks),
+                            self.ffn_norm2, gate_mlp.tanh())
         else:
             x = x + self.attention_norm2(clamp_fp16(self.attend(self.attention_norm1(x), freqs, w, chunks)))
             x = x + self.ffn_norm2(self.ffn(self.ffn_norm1(x), w, chunks))
         return x
+
+    @staticmethod
+    def _scaled(x, norm: RMSNorm, scale):
+        """norm(x) * scale, scale [B, D] (adaLN's 1 + scale)."""
+        return elementwise.scaled_norm(x, norm.weight, norm.eps, scale)
+
+    @staticmethod
+    def _gated(x, y, norm: RMSNorm, gate):
+        """x + gate * norm(y), gate [B, D] (adaLN's tanh(gate)); y clamped first where fp16."""
+        return elementwise.gated_residual(x, clamp_fp16(y), norm.weight, norm.eps, gate)
 
 
 class _TimestepEmbedder(nn.Module):

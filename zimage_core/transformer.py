@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import attention_input, compression, planner
+from . import attention_input, compression, elementwise, planner
 from .checkpoint import Checkpoint
 from .config import BIG_KEYS, ZImageConfig
 from .errors import CheckpointError, NonFiniteWeights, OutOfDeviceMemory, ZImageError
@@ -63,8 +63,8 @@ class Settings:
 
 def check_kernels_soon(device, total_bytes: int, compress: bool = True):
     """Start the once-per-device checks of the Triton kernels a model of ``total_bytes`` will run on
-    ``device``, each on a thread of its own: the attention inputs' on every GPU
-    (``attention_input.runs_on.soon``), the decode's where the model will stream (it does not fit in
+    ``device``, each on a thread of its own: the attention inputs' and the norms' on every GPU
+    (``attention_input.runs_on.soon``, ``elementwise.runs_on.soon``), the decode's where the model will stream (it does not fit in
     what is free) and may store its layers compressed (``compression.decodes_on.soon``). The first
     forward asks them, and their compiles take a second: started when the prompt's encode starts
     (ComfyUI loads the transformer after it), they run beside the encode."""
@@ -72,6 +72,7 @@ def check_kernels_soon(device, total_bytes: int, compress: bool = True):
     if device.type != "cuda":
         return
     attention_input.runs_on.soon(device)
+    elementwise.runs_on.soon(device)
     if compress and total_bytes > planner.device_free_bytes(device):
         compression.decodes_on.soon(device)
 
