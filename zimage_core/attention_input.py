@@ -22,6 +22,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
+from .config import FULL
 from .device_check import DeviceCheck
 
 log = logging.getLogger(__name__)
@@ -114,14 +115,19 @@ def rotate(x, freqs):
     return out.reshape(*x.shape).type_as(x)
 
 
-def check(device, units: int = 1, tokens: int = 37) -> str | None:
+def check(device, units: int = 1, tokens: int = 32) -> str | None:
     """None where the kernel gives what the torch path gives on ``device``, to ``units`` in the last
     place of bf16 at the scale of each head's vector (a rotated value near zero carries the
     rounding of its larger inputs); otherwise why not. (Triton's interpreter, which runs it on the CPU in the tests,
     rounds toward zero where the compiled kernel rounds to nearest: there the norm and the rotation
-    can each be one unit off.) ``tokens``: of each of the two prompts it makes up."""
+    can each be one unit off.) ``tokens``: of each of the two prompts it makes up.
+
+    It runs at Z-Image's head count and size, with a token count that is a multiple of 16 as a
+    forward's always is: Triton compiles a kernel for each set of sizes and alignments it is given,
+    so the check's compile is the one the first forward uses (on an H200 a second recompile took
+    about a second of the first image's first step)."""
     g = torch.Generator().manual_seed(0)
-    heads, head_dim, n = 3, 128, tokens
+    heads, head_dim, n = FULL.n_heads, FULL.head_dim, tokens
     qkv = (torch.randn(2, n, 3 * heads * head_dim, generator=g) * 4).to(device=device, dtype=torch.bfloat16)
     w = [(1 + torch.randn(head_dim, generator=g) / 4).to(device=device, dtype=torch.bfloat16) for _ in range(2)]
     angles = torch.rand(2, n, 1, head_dim // 2, generator=g) * 6.3

@@ -232,16 +232,19 @@ def one_layer_less(resident: int, slots: int) -> tuple | None:
     return resident - 1, slots
 
 
-# attention, norms and rotary run below the matmul rate: on an H200 a 1024x1024 layer takes about
-# 1.5x its FLOPs at that rate (3.7 ms); a lower factor plans too few slots
-LAYER_OVER_MATMUL = 1.5
+# attention and the elementwise steps run below the matmul rate: on an H200 a resident 1024x1024
+# layer takes 1.09x its FLOPs at that rate with the fused kernels (``attention_input``,
+# ``elementwise``: 2.83 ms) and 1.36x with torch's ops in their place (3.53 ms)
+LAYER_OVER_MATMUL = {True: 1.1, False: 1.36}
 
 
-def compute_copy_ratio(cfg: ZImageConfig, tokens: int, matmul_flops_per_s: float, upload_s: float) -> float:
-    """One layer's compute time over one layer's upload time, from a measured matmul rate and upload."""
+def compute_copy_ratio(cfg: ZImageConfig, tokens: int, matmul_flops_per_s: float, upload_s: float,
+                       fused: bool = True) -> float:
+    """One layer's compute time over one layer's upload time, from a measured matmul rate and upload;
+    ``fused``: the fused kernels run on that device."""
     n = tokens
     layer_flops = 2 * n * cfg.big_layer_params() + 4 * n * n * cfg.dim
-    return layer_flops / matmul_flops_per_s * LAYER_OVER_MATMUL / upload_s
+    return layer_flops / matmul_flops_per_s * LAYER_OVER_MATMUL[fused] / upload_s
 
 
 def stack_resident(n_layers: int, layer_bytes: int, free_bytes: int, cap: int | None = None) -> int:

@@ -446,7 +446,8 @@ class ZImageTransformer(torch.nn.Module):
             dst.copy_(host)
             upload_s = time.perf_counter() - start
         rate = 2 * x.shape[0] * cfg.dim * cfg.ffn_dim / matmul_s
-        ratio = planner.compute_copy_ratio(cfg, x.shape[0], rate, chunks * upload_s)
+        fused = attention_input.runs_on(dev) and elementwise.runs_on(dev)
+        ratio = planner.compute_copy_ratio(cfg, x.shape[0], rate, chunks * upload_s, fused)
         s = self.streamer
         unpinned = [i for i in reversed(s.order) if s.host[i] is None]  # the last to become resident first
         if not unpinned:
