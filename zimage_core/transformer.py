@@ -261,8 +261,9 @@ class ZImageTransformer(torch.nn.Module):
         self.plan = p
         start, before = time.perf_counter(), self.streamer.n_resident
         self._set_split(p.resident_layers, p.slots, p.file_layers - p.ram_short, p.compressed)
-        log.debug("Z-Image: split set in %.2f s (%d -> %d resident)", time.perf_counter() - start, before,
-                  self.streamer.n_resident)
+        # the free memory it was planned with: a plan that changes from one image to the next says why
+        log.debug("Z-Image: split set in %.2f s (%d -> %d resident, %.3f GiB free)", time.perf_counter() - start,
+                  before, self.streamer.n_resident, p.free_bytes / planner.GiB)
         if self.streamer.cuda:
             # the pinned masters, the staging buffers and the fixed part: what the host budget keeps
             # for this model however the text encoder's pools come first
