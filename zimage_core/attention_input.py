@@ -17,16 +17,12 @@ Where Triton does not import or compile, the torch path runs and the console say
 from __future__ import annotations
 
 import functools
-import logging
 
 import torch
 import torch.nn.functional as F
 
 from .config import FULL
-from .device_check import DeviceCheck
-
-log = logging.getLogger(__name__)
-
+from .device_check import triton_check
 
 # torch's rms_norm without an eps uses that of the dtype it computes in (fp32 for bf16 and fp16)
 _EPS = torch.finfo(torch.float32).eps
@@ -144,20 +140,7 @@ def check(device, units: int = 1, tokens: int = 32) -> str | None:
     return None
 
 
-def _runs(device) -> bool:
-    """Whether the kernel compiles on this CUDA device and passes ``check``; if not, the console
-    says why."""
-    try:
-        reason = check(device)
-    except Exception as e:  # no Triton, no compiler, an unsupported GPU: the same here
-        reason = f"{type(e).__name__}: {e}".splitlines()[0][:200]
-    if reason:
-        log.warning("Z-Image: the fused attention-input kernel is off on %s (%s); torch's ops "
-                    "run instead (slower, same images). It needs Triton (Linux: ships with torch; "
-                    "Windows: pip install triton-windows).", device, reason)
-    return reason is None
-
-
 # asked by the first forward; started early where a prompt is encoded or a model loads
 # (``transformer.check_kernels_soon``)
-runs_on = DeviceCheck(_runs, "zimage-attention-check")
+runs_on = triton_check(check, "the fused attention-input kernel", "torch's ops run instead (slower, same images)",
+                       "zimage-attention-check")

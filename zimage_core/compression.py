@@ -21,18 +21,15 @@ device that computes (a CPU takes seconds a layer).
 """
 from __future__ import annotations
 
-import logging
 import os
 from dataclasses import dataclass
 
 import torch
 
 from . import triton_decode
-from .device_check import DeviceCheck
+from .device_check import triton_check
 from .device_timing import device_seconds
 from .errors import SettingError
-
-log = logging.getLogger("zimage")
 
 CHUNK = 8 << 20  # elements of one chunk (16 MiB of bf16): a chunk is the unit of a base and of encoding
 # bytes of one upload of consecutive chunks, decoded in one launch: few launches a layer (each
@@ -220,25 +217,16 @@ def decode_seconds(chunks, packed: torch.Tensor, dst: torch.Tensor, repeats: int
     return device_seconds(lambda: decode_run(packed, chunks, dst, rows), repeats)
 
 
-def _decodes(device: torch.device) -> bool:
-    """Whether the device decode (``triton_decode``) runs on this CUDA device: the kernels compile
-    and give back every bf16 bit pattern that was encoded; if not, the console says why."""
-    try:
-        flat = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).to(device)
-        chunks, packed = encode_all(flat)
-        out = torch.empty_like(flat)
-        decode_all(chunks, packed, out)
-        if torch.equal(out.view(torch.int16), flat.view(torch.int16)):
-            return True
-        reason = "its decode did not give back the same bits"
-    except Exception as e:  # no Triton, no compiler, an unsupported GPU: all mean the same here
-        reason = f"{type(e).__name__}: {e}"
-    log.warning("Z-Image: compressed streaming is off on %s (%s); layers stream as plain bf16. "
-                "It needs Triton (Linux: ships with torch; Windows: pip install triton-windows).",
-                device, reason.splitlines()[0][:200])
-    return False
+def _decode_check(device: torch.device) -> str | None:
+    """None where the device decode (``triton_decode``) gives back every bf16 bit pattern that was
+    encoded on this CUDA device, else why not."""
+    flat = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).to(device)
+    chunks, packed = encode_all(flat)
+    out = torch.empty_like(flat)
+    decode_all(chunks, packed, out)
+    return None if torch.equal(out.view(torch.int16), flat.view(torch.int16)) else "its decode did not give back the same bits"
 
 
 # asked by the first plan that may compress; started early where a prompt for a model that will
 # stream is encoded (``transformer.check_kernels_soon``)
-decodes_on = DeviceCheck(_decodes, "zimage-decode-check")
+decodes_on = triton_check(_decode_check, "compressed streaming", "layers stream as plain bf16", "zimage-decode-check")

@@ -18,15 +18,12 @@ Triton does not import or compile, torch's ops run and the console says so once.
 from __future__ import annotations
 
 import functools
-import logging
 
 import torch
 import torch.nn.functional as F
 
 from .config import FULL
-from .device_check import DeviceCheck
-
-log = logging.getLogger(__name__)
+from .device_check import triton_check
 
 _DTYPES = (torch.bfloat16, torch.float16)
 _MAX_DIM = 16384  # a row is one program's tile
@@ -184,20 +181,7 @@ def check(device, units: int = 1, tokens: int = 32) -> str | None:
     return None
 
 
-def _runs(device) -> bool:
-    """Whether the kernels compile on this CUDA device and pass ``check``; if not, the console says
-    why."""
-    try:
-        reason = check(device)
-    except Exception as e:  # no Triton, no compiler, an unsupported GPU: the same here
-        reason = f"{type(e).__name__}: {e}".splitlines()[0][:200]
-    if reason:
-        log.warning("Z-Image: the fused norm kernels are off on %s (%s); torch's ops run instead "
-                    "(slower, same images). They need Triton (Linux: ships with torch; Windows: pip "
-                    "install triton-windows).", device, reason)
-    return reason is None
-
-
 # asked by the first forward; started early where a prompt is encoded or a model loads
 # (``transformer.check_kernels_soon``)
-runs_on = DeviceCheck(_runs, "zimage-elementwise-check")
+runs_on = triton_check(check, "the fused norm kernels", "torch's ops run instead (slower, same images)",
+                       "zimage-elementwise-check")
