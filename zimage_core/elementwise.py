@@ -1,7 +1,8 @@
 """A block's elementwise steps between its matrix products: the modulated norm before attention and
 FFN (``scaled_norm``), the gated residual after them (``gated_residual``), and the FFN's SiLU gate
-(``silu_gate``). On CUDA each is one Triton kernel; elsewhere, or where they do not run, torch's ops
-(``torch_*``).
+(``silu_gate``). On CUDA each is one launch of a Triton kernel (the two norms share one, which
+normalises a row and then scales it or adds it gated); elsewhere, or where they do not run, torch's
+ops (``torch_*``).
 
 torch's ops take ten launches a modulated block for these, most of them reading and writing the
 whole sequence once each (a norm, a multiply broadcast over the tokens, a tanh, an add): on an H200
@@ -36,21 +37,9 @@ def _kernels():
 
     # every op in fp32, its result rounded to the activation dtype (nearest even) before the next reads it
     @triton.jit
-    def scaled_norm(x, weight, scale, out, dim, tokens, eps, BLOCK: tl.constexpr):
-        """Program r: row r (of batch r // tokens): rms_norm(x) * weight, times scale[batch]."""
-        r = tl.program_id(0).to(tl.int64)
-        cols = tl.arange(0, BLOCK)
-        mask = cols < dim
-        ty = out.dtype.element_ty
-        v = tl.load(x + r * dim + cols, mask=mask, other=0.0).to(tl.float32)
-        rstd = tl.rsqrt(tl.sum(v * v, axis=0) / dim + eps)
-        n = (v * rstd * tl.load(weight + cols, mask=mask, other=0.0).to(tl.float32)).to(ty, fp_downcast_rounding="rtne")
-        s = tl.load(scale + (r // tokens) * dim + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(out + r * dim + cols, (n.to(tl.float32) * s).to(ty, fp_downcast_rounding="rtne"), mask=mask)
-
-    @triton.jit
-    def gated_residual(x, y, weight, gate, out, dim, tokens, eps, BLOCK: tl.constexpr):
-        """Program r: x + gate[batch] * (rms_norm(y) * weight), row r."""
+    def norm_row(x, y, weight, factor, out, dim, tokens, eps, GATED: tl.constexpr, BLOCK: tl.constexpr):
+        """Program r: n = rms_norm(y) * weight of row r (of batch r // tokens), then with ``GATED``
+        x + factor[batch] * n (a gated residual), else n * factor[batch] (a modulated norm)."""
         r = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < dim
@@ -58,10 +47,11 @@ def _kernels():
         v = tl.load(y + r * dim + cols, mask=mask, other=0.0).to(tl.float32)
         rstd = tl.rsqrt(tl.sum(v * v, axis=0) / dim + eps)
         n = (v * rstd * tl.load(weight + cols, mask=mask, other=0.0).to(tl.float32)).to(ty, fp_downcast_rounding="rtne")
-        g = tl.load(gate + (r // tokens) * dim + cols, mask=mask, other=0.0).to(tl.float32)
-        t = (g * n.to(tl.float32)).to(ty, fp_downcast_rounding="rtne")
-        res = tl.load(x + r * dim + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(out + r * dim + cols, (res + t.to(tl.float32)).to(ty, fp_downcast_rounding="rtne"), mask=mask)
+        f = tl.load(factor + (r // tokens) * dim + cols, mask=mask, other=0.0).to(tl.float32)
+        t = f * n.to(tl.float32)
+        if GATED:
+            t = tl.load(x + r * dim + cols, mask=mask, other=0.0).to(tl.float32) + t.to(ty, fp_downcast_rounding="rtne").to(tl.float32)
+        tl.store(out + r * dim + cols, t.to(ty, fp_downcast_rounding="rtne"), mask=mask)
 
     @triton.jit
     def silu_gate(a, b, out, numel, BLOCK: tl.constexpr):
@@ -74,7 +64,7 @@ def _kernels():
         tl.store(out + i, (s * tl.load(b + i, mask=mask, other=0.0).to(tl.float32)).to(ty, fp_downcast_rounding="rtne"),
                  mask=mask)
 
-    return scaled_norm, gated_residual, silu_gate
+    return norm_row, silu_gate
 
 
 def _rows(x) -> tuple:
@@ -110,16 +100,17 @@ def silu_gate(a, b):
 
 
 def fused_scaled_norm(x, weight, eps, scale):
-    out = torch.empty_like(x)
-    rows, dim, tokens = _rows(x)
-    _kernels()[0][(rows,)](x, weight, scale, out, dim, tokens, eps, BLOCK=_block(dim))
-    return out
+    return _norm_row(x, x, weight, eps, scale, gated=False)
 
 
 def fused_gated_residual(x, y, weight, eps, gate):
+    return _norm_row(x, y, weight, eps, gate, gated=True)
+
+
+def _norm_row(x, y, weight, eps, factor, gated: bool):
     out = torch.empty_like(x)
     rows, dim, tokens = _rows(x)
-    _kernels()[1][(rows,)](x, y, weight, gate, out, dim, tokens, eps, BLOCK=_block(dim))
+    _kernels()[0][(rows,)](x, y, weight, factor, out, dim, tokens, eps, GATED=gated, BLOCK=_block(dim))
     return out
 
 
@@ -128,7 +119,7 @@ _SILU_BLOCK = 2048
 
 def fused_silu_gate(a, b):
     out = torch.empty_like(a)
-    _kernels()[2][(-(-a.numel() // _SILU_BLOCK),)](a, b, out, a.numel(), BLOCK=_SILU_BLOCK)
+    _kernels()[1][(-(-a.numel() // _SILU_BLOCK),)](a, b, out, a.numel(), BLOCK=_SILU_BLOCK)
     return out
 
 
