@@ -174,7 +174,7 @@ def test_compressed_masters_are_bit_identical_on_cuda(tiny_file, monkeypatch):
     s = m.streamer
     assert all(c is not None and len(c) > 2 for c in s.codes) and all(h.is_pinned() for h in s.host)
     s.configure(1, 1)
-    assert s.device_bytes == 2 * s.layout.nbytes + 2 * compression.GROUP_BYTES  # the decode's buffers count
+    assert s.device_bytes == 2 * s.layout.nbytes + compression.BUFFERS * compression.GROUP_BYTES  # the decode's buffers count
     s.configure(0, 0)
     assert s.device_bytes == 0  # and go with the last slot
     m.release()

@@ -206,8 +206,8 @@ class LayerStreamer:
         self._index = {i: j for j, i in enumerate(self.streamed)}  # layer -> its place in streamed
         self.slots = []
         self.copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
-        # compressed uploads: a run of chunks crosses on the copy stream into one of two device
-        # buffers while the previous run is decoded into the slot on this stream. Its priority is high:
+        # compressed uploads: a run of chunks crosses on the copy stream into one of the device
+        # buffers (``compression.BUFFERS``) while the previous runs are decoded into the slot on this stream. Its priority is high:
         # a decode is a few microseconds of work that would otherwise queue behind the step's
         # matrix kernels while the copy stream waits for its buffer
         self.decode_stream = (torch.cuda.Stream(self.device, priority=-1)
@@ -367,8 +367,9 @@ class LayerStreamer:
 
     def _decode(self, i, dst):
         """Layer i from its compressed master into ``dst``: on a GPU each run of chunks
-        (``compression.groups``) crosses into one of two device buffers on the copy stream and is
-        decoded on the decode stream, so the next run crosses while this one is decoded. Returns
+        (``compression.groups``) crosses into the next of ``compression.BUFFERS`` device buffers on
+        the copy stream and is decoded on the decode stream, so the next runs cross while this one is
+        decoded. Returns
         the decode stream, where the layer is done (the slot's ready event is recorded there): the
         copy stream goes on to the next upload without waiting for the last decode."""
         if not self.cuda:
@@ -376,10 +377,10 @@ class LayerStreamer:
             return
         if not self._packed:
             self._packed = [[torch.empty(compression.GROUP_BYTES, dtype=torch.uint8, device=self.device),
-                             torch.cuda.Event()] for _ in range(2)]
+                             torch.cuda.Event()] for _ in range(compression.BUFFERS)]
         for run, rows in self._runs[i]:
             packed, decoded = self._packed[self._packed_next]
-            self._packed_next ^= 1
+            self._packed_next = (self._packed_next + 1) % len(self._packed)
             start, nbytes = run[0].offset, sum(c.nbytes for c in run)
             self.copy_stream.wait_event(decoded)  # the decode from this buffer has finished
             packed[:nbytes].copy_(self.host[i][start:start + nbytes], non_blocking=True)
