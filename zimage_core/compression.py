@@ -37,7 +37,7 @@ CHUNK = 8 << 20  # elements of one chunk (16 MiB of bf16): a chunk is the unit o
 GROUP_BYTES = 64 << 20
 # device buffers of ``GROUP_BYTES`` the runs cross into in turn. A run's copy waits until the decode
 # from its buffer is done, and a decode can wait for SMs behind the step's kernels: with two the
-# copies of a 7.5 GiB card's step ran at 53.4 GB/s beside 54.7 for a plain copy, with three at 54.3-54.9
+# copies of a 7.5 GiB card's step ran at 53.4 GB/s beside 54.7 for a plain copy, with three at 54.3-55.0
 BUFFERS = 3
 EXCEPTION_BYTES = 5  # an int32 position and the high byte
 # a layer is stored compressed only if no chunk has more exceptions than this fraction of its

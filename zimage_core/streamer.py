@@ -207,9 +207,9 @@ class LayerStreamer:
         self.slots = []
         self.copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
         # compressed uploads: a run of chunks crosses on the copy stream into one of the device
-        # buffers (``compression.BUFFERS``) while the previous runs are decoded into the slot on this stream. Its priority is high:
-        # a decode is a few microseconds of work that would otherwise queue behind the step's
-        # matrix kernels while the copy stream waits for its buffer
+        # buffers (``compression.BUFFERS``) while the previous runs are decoded into the slot on this
+        # stream. Its priority is high: a decode is a few microseconds of work that would otherwise
+        # queue behind the step's matrix kernels while the copy stream waits for its buffer
         self.decode_stream = (torch.cuda.Stream(self.device, priority=-1)
                               if self.cuda and self.can_compress else None)
         self._packed = []                      # [device buffer, event of the last decode from it]
@@ -369,9 +369,9 @@ class LayerStreamer:
         """Layer i from its compressed master into ``dst``: on a GPU each run of chunks
         (``compression.groups``) crosses into the next of ``compression.BUFFERS`` device buffers on
         the copy stream and is decoded on the decode stream, so the next runs cross while this one is
-        decoded. Returns
-        the decode stream, where the layer is done (the slot's ready event is recorded there): the
-        copy stream goes on to the next upload without waiting for the last decode."""
+        decoded. Returns the decode stream, where the layer is done (the slot's ready event is
+        recorded there): the copy stream goes on to the next upload without waiting for the last
+        decode."""
         if not self.cuda:
             compression.decode_all(self.codes[i], self.host[i], dst)
             return
