@@ -10,7 +10,7 @@ import pytest
 COMFYUI_PATH = os.environ.get("COMFYUI_PATH")
 needs_comfyui = pytest.mark.skipif(
     not COMFYUI_PATH or not os.path.isfile(os.path.join(COMFYUI_PATH or "", "main.py")),
-    reason="set COMFYUI_PATH to a ComfyUI source tree (v0.8.0, v0.20.1 or v0.28.0) to run the ComfyUI tests")
+    reason="set COMFYUI_PATH to a ComfyUI source tree (v0.8.0, v0.20.1, v0.28.0 or v0.33.0) to run the ComfyUI tests")
 
 
 def comfyui_version():

@@ -296,7 +296,7 @@ def server_flags():
 @pytest.fixture(scope="session")
 def comfy_base_dir(tmp_path_factory):
     if not COMFYUI_PATH:
-        pytest.skip("set COMFYUI_PATH to a ComfyUI source tree (v0.8.0, v0.20.1 or v0.28.0) to run the ComfyUI tests")
+        pytest.skip("set COMFYUI_PATH to a ComfyUI source tree (v0.8.0, v0.20.1, v0.28.0 or v0.33.0) to run the ComfyUI tests")
     return make_base_dir(str(tmp_path_factory.mktemp("comfy_base")))
 
 

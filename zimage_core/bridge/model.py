@@ -20,12 +20,16 @@ import comfy.model_base
 import comfy.model_management as mm
 import comfy.model_patcher
 import comfy.supported_models
+import comfy.utils
 
 from .. import planner
 from ..checkpoint import Checkpoint
 from ..errors import OutOfDeviceMemory
 from ..transformer import COMPUTE_DTYPES, STORAGE_DTYPES, Settings, ZImageTransformer
 from .memory import plan_host_budget
+
+# comfy.utils since v0.20; the old place still answers there, with a warning at every call
+string_to_seed = getattr(comfy.utils, "string_to_seed", None) or comfy.model_patcher.string_to_seed
 
 log = logging.getLogger("zimage")
 _DTYPE_NAMES = {v: k for k, v in COMPUTE_DTYPES.items()}
@@ -106,7 +110,7 @@ class ZImagePatcher(comfy.model_patcher.ModelPatcher):
             if key in wanted:
                 temp = base.to(device=t.device, dtype=mm.lora_compute_dtype(t.device), copy=True)
                 out = comfy.lora.calculate_weight(self.patches[key], temp, key)
-                base = comfy.float.stochastic_rounding(out, base.dtype, seed=comfy.model_patcher.string_to_seed(key))
+                base = comfy.float.stochastic_rounding(out, base.dtype, seed=string_to_seed(key))
             t.set_weight(key[len(PREFIX):], base)
         t.patched_keys, t.patches_uuid = wanted, self.patches_uuid
         if wanted:

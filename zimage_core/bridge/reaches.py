@@ -12,7 +12,8 @@ import inspect
 from dataclasses import dataclass
 from typing import Callable
 
-CHECKED = "v0.8.0, v0.20.1, v0.28.0"
+CHECKED = "v0.8.0, v0.20.1, v0.28.0, v0.33.0"
+SINCE_V020 = "v0.20.1, v0.28.0, v0.33.0"  # the reaches v0.8 has no counterpart of
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,7 @@ def reaches() -> list:
     import comfy.samplers
     import comfy.sd
     import comfy.supported_models
+    import comfy.utils
 
     return [
         Reach("ModelPatcher's loading protocol, overridden by the pack's patchers: load, partially_load, "
@@ -104,19 +106,19 @@ def reaches() -> list:
         Reach("Dynamic VRAM marks the modules it manages with an attribute _v (absent before v0.20)",
               "pinned.py: pinned_patcher",
               lambda: _source_mentions(mp, "m._v = ") if hasattr(mp, "ModelPatcherDynamic") else None,
-              "v0.20.1, v0.28.0"),
+              SINCE_V020),
         Reach("model_mmap_residency and pinned_memory_size, overridden to say the pack's host copies are "
               "its own (only in newer versions)", "model.py: ZImagePatcher, pinned.py: PinnedPatcher",
               lambda: None if not hasattr(mp.ModelPatcher, "pinned_memory_size") else
-              _methods(mp.ModelPatcher, pinned_memory_size=()), "v0.20.1, v0.28.0"),
+              _methods(mp.ModelPatcher, pinned_memory_size=()), SINCE_V020),
         Reach("The dtype a model runs each tensor in, archived as <name>_comfy_model_dtype by "
               "model_management.archive_model_dtypes (with Dynamic VRAM the file's tensors are loaded as "
               "they are; absent in v0.8)", "pinned.py: run_dtypes",
               lambda: _source_mentions(mm.archive_model_dtypes, "_comfy_model_dtype")
-              if hasattr(mm, "archive_model_dtypes") else None, "v0.20.1, v0.28.0"),
+              if hasattr(mm, "archive_model_dtypes") else None, SINCE_V020),
         Reach("The RAM-pressure cache's headroom, comfy.memory_management.RAM_CACHE_HEADROOM (absent in v0.8)",
               "memory.py: _ram_cache_headroom",
-              lambda: _optional("comfy.memory_management", "RAM_CACHE_HEADROOM"), "v0.20.1, v0.28.0"),
+              lambda: _optional("comfy.memory_management", "RAM_CACHE_HEADROOM"), SINCE_V020),
         Reach("The Z-Image base model: model_base.Lumina2 with memory_required(input_shape, cond_shapes) and "
               "extra_conds(**kwargs), subclassed", "model.py: ZImageModel",
               lambda: _methods(comfy.model_base.Lumina2, memory_required=("input_shape",), extra_conds=())),
@@ -125,11 +127,11 @@ def reaches() -> list:
               lambda: _attributes(comfy.supported_models, "ZImage")
               or _attributes(comfy.supported_models.ZImage, "supported_inference_dtypes", "set_inference_dtype")),
         Reach("ModelPatcher's weight-patch formula, re-implemented: lora.calculate_weight(patches, weight, key), "
-              "float.stochastic_rounding(value, dtype, seed), model_patcher.string_to_seed, "
+              "float.stochastic_rounding(value, dtype, seed), string_to_seed (utils; model_patcher in v0.8), "
               "model_management.lora_compute_dtype", "model.py: ZImagePatcher._apply_patches",
               lambda: _params(comfy.lora.calculate_weight, "patches", "weight", "key")
               or _params(comfy.float.stochastic_rounding, "value", "dtype", "seed")
-              or _attributes(mp, "string_to_seed") or _attributes(mm, "lora_compute_dtype")
+              or _attributes(comfy.utils if hasattr(comfy.utils, "string_to_seed") else mp, "string_to_seed") or _attributes(mm, "lora_compute_dtype")
               or _source_mentions(mp.ModelPatcher.patch_weight_to_device, "calculate_weight",
                                   "stochastic_rounding", "string_to_seed")),
         Reach("The model manager's calls: load_models_gpu(models, memory_required, force_full_load), "
