@@ -380,6 +380,7 @@ def test_broken_model_file(comfy_server, comfy_base_dir, kind):
     msg = err["exception_message"]
     print(f"\nComfyUI {comfyui_version()}: {kind} model file -> {err['node_type']}: {err['exception_type']}: {msg}")
     assert err["node_type"] == "ZImageModelLoader"
+    assert err["exception_type"] == "zimage.CheckpointError", err["exception_type"]  # not the pack's folder path
     assert name in msg, msg
     lower = msg.lower()
     assert any(w in lower for w in ("truncated", "not a safetensors", "not a .safetensors")), msg
