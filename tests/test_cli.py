@@ -7,6 +7,7 @@ import http.server
 import json
 import os
 import socket
+import shutil
 import struct
 import subprocess
 import sys
@@ -252,3 +253,22 @@ def test_run_script_bad_workflow_file(tmp_path, content, words):
     r = run_script("--workflow", str(path), "--server", "http://127.0.0.1:9")
     assert r.returncode != 0
     assert words in one_line(r.stderr)
+
+
+def test_run_script_names_a_ui_workflow(tmp_path):
+    path = tmp_path / "wf.json"
+    shutil.copy(os.path.join(ROOT, "workflows", "z_image_turbo.json"), path)  # the UI-format twin
+    r = run_script("--workflow", str(path), "--server", "http://127.0.0.1:9")
+    assert r.returncode != 0
+    line = one_line(r.stderr)
+    assert "is a UI workflow" in line and "Export (API)" in line, line
+
+
+def test_run_script_checks_the_output_folder_first(tmp_path):
+    """An --out that cannot be a folder fails before anything is posted (no server listens on port 9)."""
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    r = run_script("--out", str(blocker / "images"), "--server", "http://127.0.0.1:9")
+    assert r.returncode != 0
+    line = one_line(r.stderr)
+    assert line.startswith(f"cannot save the images in {blocker / 'images'}") and "not a folder" in line, line

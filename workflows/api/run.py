@@ -132,6 +132,15 @@ def run(server, workflow, out_dir, timeout=3600, poll=1.0, quiet=False):
     return saved
 
 
+def check_out_dir(path):
+    """Say before the prompt runs, not after it, when the images could not be saved."""
+    probe = os.path.abspath(path)
+    while not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe) or not os.access(probe, os.W_OK | os.X_OK):
+        raise SystemExit(f"cannot save the images in {path}: {probe} is not a folder this user can write to")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--server", default="http://127.0.0.1:8188", help="ComfyUI's address (default %(default)s)")
@@ -154,6 +163,10 @@ def main(argv=None):
         raise SystemExit(f"{a.workflow} is not JSON ({e}): export it with Workflow > Export (API)") from None
     if not isinstance(workflow, dict):
         raise SystemExit(f"{a.workflow} is not an API-format workflow: export it with Workflow > Export (API)")
+    if isinstance(workflow.get("nodes"), list):  # what Workflow > Save and Export write
+        raise SystemExit(f"{a.workflow} is a UI workflow (the graph as the editor saves it): in ComfyUI, "
+                         "open it and use Workflow > Export (API), then pass that file")
+    check_out_dir(a.out)
     apply_overrides(workflow, a.prompt, a.seed, a.width, a.height, a.steps)
     try:
         run(a.server, workflow, a.out, timeout=a.timeout)
