@@ -18,5 +18,6 @@ python3 -m venv "$venv"
 reqs=$(mktemp)
 trap 'rm -f "$reqs"' EXIT
 grep -v -E '^\s*(torch|torchvision|torchaudio)\s*$' "$tree/requirements.txt" >"$reqs"
-python3 -m pip install -q "torch==2.14.1" "torchvision==0.29.1" -r "$reqs" pytest
+# requests: v0.8.0 imports it at start without listing it
+python3 -m pip install -q "torch==2.14.1" "torchvision==0.29.1" -r "$reqs" requests pytest
 python3 -m pip install -q --no-deps "torchaudio==2.11.0"
