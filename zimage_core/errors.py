@@ -1,20 +1,21 @@
 """Errors the user can act on. Messages say what is wrong and what to do next."""
 
 
-def named_for_users(cls):
-    """ComfyUI shows an error's type as module.name, and a custom node's modules are named after
-    its folder's path: without this users would read `/.../custom_nodes/<folder>.zimage_core.errors.
-    CheckpointError` where `zimage.CheckpointError` says it all."""
-    cls.__module__ = "zimage"
-    return cls
-
-
-@named_for_users
 class ZImageError(Exception):
-    """Base class: anything the pack reports to the user as a plain message."""
+    """Base class: anything the pack reports to the user as a plain message.
+
+    ComfyUI shows an error's type as module.name, and a custom node's modules are named after its
+    folder's path: every subclass is named `zimage.<Class>` instead of `/.../custom_nodes/<folder>.
+    zimage_core.errors.<Class>`."""
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        cls.__module__ = "zimage"
 
 
-@named_for_users
+ZImageError.__module__ = "zimage"
+
+
 class CheckpointError(ZImageError):
     """A weights file that cannot be read as a Z-Image transformer."""
 
@@ -26,17 +27,14 @@ class CheckpointError(ZImageError):
         super().__init__(msg)
 
 
-@named_for_users
 class OutOfDeviceMemory(ZImageError):
     """Not even a fully streamed transformer fits next to the activations."""
 
 
-@named_for_users
 class SettingError(ZImageError):
     """An environment variable or option set to a value the pack cannot use."""
 
 
-@named_for_users
 class NonFiniteWeights(ZImageError):
     """A streamed layer's matrix holds NaN or infinity (named by layer index and matrix)."""
 

@@ -26,7 +26,7 @@ import warnings
 
 import torch
 
-from .errors import CheckpointError, named_for_users
+from .errors import CheckpointError
 
 DTYPES = {
     "BF16": torch.bfloat16,
@@ -49,7 +49,6 @@ _FIX_FORMAT = "Use a .safetensors export of Z-Image-Turbo (ComfyUI or diffusers 
 _FIX_COPY = "Download or copy the file again."
 
 
-@named_for_users
 class FileChanged(CheckpointError):
     """The file on disk is no longer the one that was loaded."""
 

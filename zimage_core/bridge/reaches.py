@@ -131,7 +131,8 @@ def reaches() -> list:
               "model_management.lora_compute_dtype", "model.py: ZImagePatcher._apply_patches",
               lambda: _params(comfy.lora.calculate_weight, "patches", "weight", "key")
               or _params(comfy.float.stochastic_rounding, "value", "dtype", "seed")
-              or _attributes(comfy.utils if hasattr(comfy.utils, "string_to_seed") else mp, "string_to_seed") or _attributes(mm, "lora_compute_dtype")
+              or (None if hasattr(comfy.utils, "string_to_seed") else _attributes(mp, "string_to_seed"))
+              or _attributes(mm, "lora_compute_dtype")
               or _source_mentions(mp.ModelPatcher.patch_weight_to_device, "calculate_weight",
                                   "stochastic_rounding", "string_to_seed")),
         Reach("The model manager's calls: load_models_gpu(models, memory_required, force_full_load), "
