@@ -53,6 +53,7 @@ UNET = "z_image_turbo_bf16.safetensors"
 TE = "qwen_3_4b.safetensors"
 VAE = "ae.safetensors"
 TE_LAYERS = 2
+TE_LAYERS_FULL = 36  # Qwen3-4B whole (8 GB): for the GPU test, where ComfyUI's Dynamic VRAM needs every weight
 START_TIMEOUT = 120
 
 
@@ -100,21 +101,26 @@ def transformer_weights():
     return path
 
 
-def te_vae_weights(python=None, comfy_path=None):
-    """Qwen3-4B (2 layers) and the Flux AE from ComfyUI's own classes, cached per ComfyUI version."""
+def te_vae_weights(python=None, comfy_path=None, te_layers=TE_LAYERS):
+    """Qwen3-4B (its first `te_layers` layers) and the Flux AE from ComfyUI's own classes, cached per
+    ComfyUI version. The random numbers are drawn on the GPU where there is one (the full text
+    encoder is 4 billion of them)."""
     comfy_path = comfy_path or COMFYUI_PATH
     script = os.path.join(HERE, "comfy_te_vae_weights.py")
-    folder = os.path.join(cache_root(), f"comfyui-{comfyui_version()}-{_digest(script)}-l{TE_LAYERS}")
+    folder = os.path.join(cache_root(), f"comfyui-{comfyui_version()}-{_digest(script)}-l{te_layers}")
     paths = {n: os.path.join(folder, n) for n in (TE, VAE)}
     with _locked(folder):
         if not all(os.path.isfile(p) for p in paths.values()):
-            r = subprocess.run([python or sys.executable, script, comfy_path, folder, "--te-layers", str(TE_LAYERS)],
-                               capture_output=True, text=True, timeout=900)
+            import torch
+
+            device = ["--device", "cuda"] if te_layers > TE_LAYERS and torch.cuda.is_available() else []
+            r = subprocess.run([python or sys.executable, script, comfy_path, folder, "--te-layers", str(te_layers),
+                                *device], capture_output=True, text=True, timeout=900)
             assert r.returncode == 0, f"weight generator failed:\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}"
     return paths
 
 
-def make_base_dir(base):
+def make_base_dir(base, te_layers=TE_LAYERS):
     """custom_nodes/<pack> -> repository root; models/{diffusion_models,text_encoders,vae}; user, input, output."""
     for sub in ("custom_nodes", "models/diffusion_models", "models/text_encoders", "models/vae", "user",
                 "input", "output"):
@@ -122,7 +128,7 @@ def make_base_dir(base):
     link = os.path.join(base, "custom_nodes", PACK)
     if not os.path.islink(link):
         os.symlink(ROOT, link, target_is_directory=True)
-    te_vae = te_vae_weights()
+    te_vae = te_vae_weights(te_layers=te_layers)
     for folder, name, src in (("diffusion_models", UNET, transformer_weights()), ("text_encoders", TE, te_vae[TE]),
                               ("vae", VAE, te_vae[VAE])):
         dst = os.path.join(base, "models", folder, name)
