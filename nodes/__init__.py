@@ -1,5 +1,9 @@
 """ComfyUI nodes over zimage_core, on the schema API (``comfy_api.latest``)."""
+import logging
+
 from comfy_api.latest import ComfyExtension
+
+from ..zimage_core import environment
 
 from .decode import ZImageDecode
 from .encode import ZImageTextEncode
@@ -9,6 +13,11 @@ from .sampler import ZImageSampler
 
 class ZImageExtension(ComfyExtension):
     async def get_node_list(self):
+        # said once at start-up; the loader refuses each prompt with the same words (environment.read)
+        for problem in environment.problems_now():
+            logging.getLogger("zimage").error(
+                "Z-Image: %s The Z-Image nodes are loaded, but every prompt that uses them stops at the "
+                "Z-Image Model Loader with this message until the setting is fixed and ComfyUI restarted.", problem)
         return [ZImageModelLoader, ZImageTextEncode, ZImageSampler, ZImageDecode]
 
 

@@ -65,9 +65,10 @@ class ZImageModelLoader(io.ComfyNode):
     def execute(cls, unet_name, weight_dtype, vram, resident_layers, leave_free_gb):
         number("leave_free_gb", leave_free_gb, 0.0, MAX_LEAVE_FREE, "GiB of GPU memory to leave free; 0 leaves none")
         path = folder_paths.get_full_path_or_raise("diffusion_models", unet_name)
+        env = bridge.environment.read()  # a malformed ZIMAGE_* setting stops the prompt here, its first node
         settings = bridge.Settings(max_resident=resident_layers if vram == "max_resident_layers" else None,
                                    leave_free=int((leave_free_gb if vram == "leave_free_gb" else 0.0) * (1 << 30)),
-                                   compress=bridge.compression_setting())
+                                   compress=env.compression)
         model = bridge.load_model(path, weight_dtype=weight_dtype, settings=settings)
         text = bridge.describe(model, unet_name)
         for name, value, default, mode in (("resident_layers", resident_layers, DEFAULT_RESIDENT, "max_resident_layers"),

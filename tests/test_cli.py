@@ -72,12 +72,12 @@ def one_line(text):
     (["bench", "--weights", "README.md", "--resident-layers", "-1"], ["--resident-layers", "0 or more"]),
     (["bench", "--weights", "README.md", "--simulate-card-gib", "0"], ["--simulate-card-gib", "above 0"]),
     (["bench", "--weights", "README.md", "--device", "gpu7"], ["--device", "not a device"]),
-    (["bench", "--weights", "no_such_file.safetensors"], ["--weights", "no such file: no_such_file.safetensors"]),
+    (["bench", "--weights", "no_such_file.safetensors"], ["--weights", "no such file or folder: no_such_file.safetensors"]),
     (["bench"], ["required", "--weights"]),
     (["random-weights", "tests"], ["tests is a folder", "z_image_turbo_bf16.safetensors"]),
     (["random-weights", "x.ckpt"], [".safetensors"]),
     (["random-weights", "x.safetensors", "--layers", "0"], ["--layers", "give 1 to 64"]),
-    (["ratio", "--weights", "no_such_file.safetensors"], ["--weights", "no such file: no_such_file.safetensors"]),
+    (["ratio", "--weights", "no_such_file.safetensors"], ["--weights", "no such file or folder: no_such_file.safetensors"]),
     (["ratio", "--weights", "README.md", "--layers", "0"], ["--layers", "give 1 to 64"]),
     (["bench", "--weights", "README.md", "--compression", "maybe"], ["--compression", "invalid choice"]),
     (["plan", "--no-such-option"], ["unrecognized arguments"]),
@@ -108,6 +108,55 @@ def test_plan_says_where_the_text_encoder_is_read_from(ram, where, capsys):
     code, out, err = run_main(["plan", "--vram-gib", "7.5", "--ram-gib", ram], capsys)
     line = next(line for line in out.splitlines() if line.strip().startswith("text encoder"))
     assert code == 0 and where in line, line
+
+
+def _with_env(monkeypatch, **env):
+    """Only the given ZIMAGE_* settings, as a server started with them would see."""
+    for name in ("ZIMAGE_PINNED_GIB", "ZIMAGE_COMPRESSION"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+
+
+def _plan(capsys, monkeypatch, **env):
+    _with_env(monkeypatch, **env)
+    code, out, err = run_main(["plan", "--vram-gib", "7.5", "--ram-gib", "28", "--json"], capsys)
+    assert code == 0 and not err, (code, err)
+    return json.loads(out)
+
+
+def test_plan_reads_the_pinned_cap_as_the_nodes_do(capsys, monkeypatch):
+    """ZIMAGE_PINNED_GIB caps the pinned masters the plan gives an 8 GB card on a 32 GB machine."""
+    unset, four, zero = (_plan(capsys, monkeypatch, ZIMAGE_COMPRESSION="off", **cap) for cap in
+                         ({}, {"ZIMAGE_PINNED_GIB": "4"}, {"ZIMAGE_PINNED_GIB": "0"}))
+    assert unset["pinned_layers"] > four["pinned_layers"] > zero["pinned_layers"] == 0, (unset, four, zero)
+    assert four["pinned_host_bytes"] <= 4 << 30
+    assert zero["file_layers"] == zero["streamed_layers"]
+
+
+def test_plan_compresses_where_the_environment_says_so(capsys, monkeypatch):
+    on, off = (_plan(capsys, monkeypatch, ZIMAGE_COMPRESSION=mode) for mode in ("on", "off"))
+    assert on["master_bytes"] < on["layer_bytes"] and off["master_bytes"] == off["layer_bytes"]
+
+
+@pytest.mark.parametrize("name, value", [("ZIMAGE_PINNED_GIB", "bogus"), ("ZIMAGE_PINNED_GIB", "-1"),
+                                         ("ZIMAGE_PINNED_GIB", "nan"), ("ZIMAGE_COMPRESSION", "bogus")])
+def test_plan_and_bench_refuse_a_bad_setting(name, value, capsys, monkeypatch, tiny_file):
+    """Refused by the command lines as the nodes refuse it, in one line, before any work."""
+    _with_env(monkeypatch, **{name: value})
+    for argv in (["plan", "--vram-gib", "7.5"], ["bench", "--weights", tiny_file, "--device", "cpu"]):
+        code, out, err = run_main(argv, capsys)
+        line = one_line(err)
+        assert code == 1 and not out, (argv, code, out, err)
+        assert name in line and repr(value) in line and "unset it" in line, line
+
+
+def test_bench_takes_a_folder_as_the_loader_does(capsys, monkeypatch, tiny_file):
+    _with_env(monkeypatch)
+    code, out, err = run_main(["bench", "--weights", os.path.dirname(tiny_file), "--device", "cpu", "--steps", "1",
+                               "--width", "64", "--height", "64", "--json"], capsys)
+    assert code == 0, err
+    assert json.loads(out.splitlines()[0])["steps"] == 1
 
 
 @pytest.mark.parametrize("extra", [[], ["--json"]])

@@ -63,13 +63,14 @@ def test_realistic_random_weights_differ_from_plain_ones_as_stated():
 
 
 def test_the_switch_reads_off_on_and_auto_and_refuses_the_rest(monkeypatch):
+    from zimage_core.environment import compression as compression_setting
     from zimage_core.errors import SettingError
     for text, want in (("", "auto"), ("off", "off"), ("on", "on"), (" ON ", "on"), ("Auto", "auto")):
         monkeypatch.setenv("ZIMAGE_COMPRESSION", text)
-        assert compression.compression_setting() == want
+        assert compression_setting() == want
     monkeypatch.setenv("ZIMAGE_COMPRESSION", "fast")
     with pytest.raises(SettingError, match="ZIMAGE_COMPRESSION is 'fast': set it to auto"):
-        compression.compression_setting()
+        compression_setting()
 
 
 _KERNELS_ON_THE_CPU = """

@@ -7,7 +7,8 @@ import pytest
 
 from zimage_core import host_memory
 from zimage_core.errors import SettingError, ZImageError
-from zimage_core.host_memory import HostBudget, HostPool, environment_cap
+from zimage_core.environment import pinned_cap
+from zimage_core.host_memory import HostBudget, HostPool
 
 GiB = 1 << 30
 
@@ -15,13 +16,13 @@ GiB = 1 << 30
 @pytest.mark.parametrize("text, gib", [("4", 4), ("10.5", 10.5), (" 2 ", 2), ("0", 0), ("1e-3", 1e-3)])
 def test_pinned_gib_accepts_numbers(monkeypatch, text, gib):
     monkeypatch.setenv("ZIMAGE_PINNED_GIB", text)
-    assert environment_cap() == int(gib * GiB)
+    assert pinned_cap() == int(gib * GiB)
 
 
 @pytest.mark.parametrize("text", ["", "  "])
 def test_pinned_gib_empty_is_unset(monkeypatch, text):
     monkeypatch.setenv("ZIMAGE_PINNED_GIB", text)
-    assert environment_cap() is None
+    assert pinned_cap() is None
 
 
 def test_pinned_gib_zero_pins_nothing(monkeypatch):
@@ -70,6 +71,17 @@ def test_the_budget_keeps_the_headroom_and_other_owners_claims(tmp_path, monkeyp
     assert b.room("text encoder") == 0  # never below zero
     monkeypatch.setenv("ZIMAGE_PINNED_GIB", "1")
     assert b.room("transformer") == GiB - host_memory.live_bytes()
+
+
+def test_the_cap_limits_the_packs_copies_not_the_page_cache(tmp_path, monkeypatch):
+    """ZIMAGE_PINNED_GIB=0 leaves no room for pinned copies, and all of it for a file's page cache
+    (the text encoder's): the warning that its file is read from the disk at each prompt reads
+    ``ram_room``, so a cap alone never raises it."""
+    fake_meminfo(tmp_path, monkeypatch, 32, 28)
+    monkeypatch.setenv("ZIMAGE_PINNED_GIB", "0")
+    b = HostBudget()
+    assert b.room("text encoder") == 0
+    assert b.ram_room("text encoder") == 28 * GiB - int(3.2 * GiB) - host_memory.WORKING_MARGIN
 
 
 def test_available_ram_without_meminfo_uses_sysconf(tmp_path, monkeypatch):

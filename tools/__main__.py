@@ -10,6 +10,7 @@ import sys
 
 import torch
 
+from zimage_core import environment
 from zimage_core.__main__ import GiB, _Parser, count, gib, run, size_arguments
 from zimage_core.config import ZImageConfig
 from zimage_core.transformer import STORAGE_DTYPES
@@ -37,8 +38,9 @@ def device(text):
 
 
 def weights_file(text):
-    if not os.path.isfile(text):
-        raise argparse.ArgumentTypeError(f"no such file: {text}")
+    """A checkpoint as the loader takes it: a file, a .safetensors.index.json, or a folder of either."""
+    if not os.path.exists(text):
+        raise argparse.ArgumentTypeError(f"no such file or folder: {text}")
     return text
 
 
@@ -67,7 +69,8 @@ def _random(a):
 
 
 def _bench(a):
-    results = [r for compress in (["off", "on"] if a.compression == "both" else [a.compression])
+    env = environment.read()  # ZIMAGE_PINNED_GIB and ZIMAGE_COMPRESSION, refused or used as the nodes do
+    results = [r for compress in (["off", "on"] if a.compression == "both" else [a.compression or env.compression])
                for r in bench.run(a.weights, a.width, a.height, a.steps, a.seed, a.resident_layers or [None],
                                   a.device, a.resident, cap_tokens=a.prompt_tokens, card_gib=a.simulate_card_gib,
                                   compress=compress, batch=a.batch)]
@@ -147,9 +150,10 @@ def main(argv=None):
     b.add_argument("--prompt-tokens", type=count(1, 512), default=64,
                    help="tokens of the (random) prompt (default 64; the planner assumes 512)")
     b.add_argument("--device", type=device, help="cpu or cuda[:N] (default: cuda where there is one)")
-    b.add_argument("--compression", choices=("off", "on", "auto", "both"), default="off",
+    b.add_argument("--compression", choices=("off", "on", "auto", "both"),
                    help="store the streamed layers' masters compressed: auto where the planner finds it "
-                        "faster; both: off, then on, in this process")
+                        "faster; both: off, then on, in this process (default: ZIMAGE_COMPRESSION, as the "
+                        "nodes read it: auto where it is unset)")
     b.add_argument("--json", action="store_true", help="print each result as one JSON object per line")
     b.set_defaults(fn=_bench)
     run(ap, argv)

@@ -9,7 +9,7 @@ import sys
 
 import torch
 
-from . import host_memory
+from . import environment, host_memory
 from .config import FULL
 from .errors import ZImageError
 
@@ -89,11 +89,16 @@ def _plan(a):
         free = torch.cuda.mem_get_info()[0]
     else:
         sys.exit("error: no CUDA device here: give --vram-gib (the free GPU memory to plan for)")
+    env = environment.read()  # the server's settings, read as the server reads them
     storage = torch.float8_e4m3fn if a.fp8 else torch.bfloat16
     ram = int(a.ram_gib * GiB) if a.ram_gib is not None else host_memory.available_ram()
     host = None if ram is None else planner.host_room(FULL, ram, storage=storage)
-    p = planner.plan(FULL, free, a.width, a.height, a.batch, storage=storage,
-                     host_room=None if host is None else host.layers, compress="on" if a.compress else "off")
+    layers_room = None if host is None else host.layers
+    if env.pinned_cap is not None:  # the cap counts every copy the pack holds: the staging and fixed part first
+        fixed = planner.host_room(FULL, 0, storage=storage).fixed
+        layers_room = min(max(0, env.pinned_cap - fixed), layers_room if layers_room is not None else env.pinned_cap)
+    p = planner.plan(FULL, free, a.width, a.height, a.batch, storage=storage, host_room=layers_room,
+                     compress="on" if a.compress else env.compression)
     if a.json:
         print(json.dumps(dict(p.as_dict(), host=None if host is None else host.as_dict())))
     else:
@@ -112,6 +117,8 @@ def _plan(a):
             print(f"  host RAM available   {g(host.available)}: ComfyUI keeps {g(host.headroom)} free, a run "
                   f"needs {g(host.working)}, staging and fixed part {g(host.fixed)}")
             print(f"  streamed layers      {p.pinned_layers} pinned, {p.file_layers} read from the page cache")
+            if env.pinned_cap is not None:
+                print(f"  pinned cap           {g(env.pinned_cap)} (ZIMAGE_PINNED_GIB): {g(layers_room)} for the layers")
             left = max(0, host.layers - p.pinned_host_bytes)
             te = planner.TEXT_ENCODER_LAYERS_BYTES
             where = "it stays in the page cache" if left >= te else "it is read from the disk at each new prompt"
@@ -135,7 +142,8 @@ def main(argv=None):
     p.add_argument("--ram-gib", type=gib(), help="host RAM available, in GiB (default: measured)")
     p.add_argument("--fp8", action="store_true", help="plan for an fp8 e4m3fn checkpoint")
     p.add_argument("--compress", action="store_true",
-                   help="with the streamed layers' masters stored compressed (ZIMAGE_COMPRESSION=on)")
+                   help="with the streamed layers' masters stored compressed, as ZIMAGE_COMPRESSION=on (default: "
+                        "ZIMAGE_COMPRESSION, as the nodes read it; ZIMAGE_PINNED_GIB caps the pinned masters)")
     p.add_argument("--json", action="store_true", help="print the plan as one JSON object")
     p.set_defaults(fn=_plan)
     run(ap, argv)

@@ -21,7 +21,6 @@ device that computes (a CPU takes seconds a layer).
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -29,7 +28,6 @@ import torch
 from . import triton_decode
 from .device_check import triton_check
 from .device_timing import device_seconds
-from .errors import SettingError
 
 CHUNK = 8 << 20  # elements of one chunk (16 MiB of bf16): a chunk is the unit of a base and of encoding
 # bytes of one upload of consecutive chunks, decoded in one launch: few launches a layer (each
@@ -57,17 +55,6 @@ class Chunk:
     @property
     def nbytes(self) -> int:
         return compressed_bytes(self.numel, self.n_exc)
-
-
-MODES = ("off", "on", "auto")  # auto: where the planner finds that it shortens the step
-
-
-def compression_setting() -> str:
-    """ZIMAGE_COMPRESSION: off, on or auto (the default)."""
-    text = os.environ.get("ZIMAGE_COMPRESSION", "").strip().lower() or "auto"
-    if text in MODES:
-        return text
-    raise SettingError(f"ZIMAGE_COMPRESSION is {text!r}: set it to auto (the default), on or off, or unset it.")
 
 
 def _align16(n: int) -> int:

@@ -27,7 +27,7 @@ import weakref
 
 import torch
 
-from .errors import SettingError
+from .environment import pinned_cap
 
 GiB = 1 << 30
 _lock = threading.RLock()  # the counters; pools allocate from the upload threads and the main one
@@ -128,22 +128,6 @@ def cache_headroom(total: int | None) -> int:
     return int(min(10 * GiB, max(2 * GiB, total * 0.10)))
 
 
-def environment_cap() -> int | None:
-    """ZIMAGE_PINNED_GIB: the host bytes this process may hold in copies of weights, in all."""
-    text = os.environ.get("ZIMAGE_PINNED_GIB", "").strip()
-    if not text:
-        return None
-    try:
-        gib = float(text)
-    except ValueError:
-        gib = math.nan
-    if not (math.isfinite(gib) and gib >= 0):
-        raise SettingError(f"ZIMAGE_PINNED_GIB is {text!r}: set it to a number of GiB >= 0 (e.g. 4 or 10.5; "
-                           "0 pins nothing), or unset it to let the pack plan host memory from the RAM "
-                           "that is available.")
-    return int(gib * GiB)
-
-
 class HostBudget:
     """What the pools of this process may still take. ``headroom``: the available RAM that must stay
     untouched (ComfyUI's RAM-cache headroom; the default is what ComfyUI keeps on this machine).
@@ -156,16 +140,19 @@ class HostBudget:
         self.held = {}    # owner -> bytes its pools hold
 
     def room(self, owner: str) -> int:
-        """Bytes ``owner`` may still allocate."""
+        """Bytes ``owner`` may still allocate: the RAM's room, within ZIMAGE_PINNED_GIB."""
+        room = self.ram_room(owner)
+        cap = pinned_cap()
+        return room if cap is None else max(0, min(room, cap - _live))
+
+    def ram_room(self, owner: str) -> int:
+        """The RAM left to ``owner`` beside the headroom and the others' claims, whatever the cap
+        (what a file's page cache can still keep: the cap limits the pack's copies, not the cache)."""
         avail = available_ram()
         others = sum(max(0, c - self.held.get(o, 0)) for o, c in self.claims.items() if o != owner)
         # MemAvailable still counts page-cache pages that are locked in place (the kernel cannot drop them)
         locked = sum(_in_place.values())
-        room = (1 << 62) if avail is None else avail - locked - self.headroom - WORKING_MARGIN - others
-        cap = environment_cap()
-        if cap is not None:
-            room = min(room, cap - _live)
-        return max(0, room)
+        return max(0, (1 << 62) if avail is None else avail - locked - self.headroom - WORKING_MARGIN - others)
 
     def claim(self, owner: str, nbytes: int):
         self.claims[owner] = int(nbytes)
@@ -307,7 +294,7 @@ class HostPool:
         """Buffers of one owner (a model), within ``BUDGET`` and, where given, ``cap_bytes``
         (0: none at all, e.g. where the model's own tensors are the masters). ``pin``: page-lock
         them (default: where CUDA is)."""
-        environment_cap()  # a malformed setting is refused where the first model loads
+        pinned_cap()  # a malformed setting is refused where the first model loads
         self.owner = owner
         self.cap = None if cap_bytes is None else int(cap_bytes)
         self.pin = torch.cuda.is_available() if pin is None else pin

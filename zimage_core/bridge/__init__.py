@@ -14,7 +14,7 @@ import importlib
 
 # what the nodes call -> the module that holds it. Imported on first use (PEP 562), so that
 # ``bridge.reaches`` imports without ComfyUI: the CPU tests check its probes.
-_API = {"STORAGE_DTYPES": "..transformer", "Settings": "..transformer", "compression_setting": "..compression",
+_API = {"STORAGE_DTYPES": "..transformer", "Settings": "..transformer", "environment": "..environment",
         "ZImagePatcher": ".model", "load_model": ".model", "describe": ".model", "PinnedPatcher": ".pinned", "SAMPLERS": ".sampler",
         "SCHEDULERS": ".sampler", "sample": ".sampler", "encode": ".text_encoder",
         "streamed_text_encoder": ".text_encoder", "decode": ".vae", "pinned_vae": ".vae"}

@@ -11,7 +11,8 @@ import comfy.model_management as mm
 
 from .. import planner
 from ..config import ZImageConfig
-from ..host_memory import BUDGET, available_ram, cache_headroom, environment_cap, total_ram
+from ..environment import pinned_cap
+from ..host_memory import BUDGET, available_ram, cache_headroom, total_ram
 
 log = logging.getLogger("zimage")
 
@@ -39,7 +40,7 @@ def plan_host_budget(device):
         avail = available_ram()
         log.info("Z-Image: host RAM: %s available, ComfyUI keeps %.1f GiB of it free; the pack holds weights "
                  "in the rest%s", "?" if avail is None else f"{avail / planner.GiB:.1f} GiB", headroom / planner.GiB,
-                 " (ZIMAGE_PINNED_GIB caps it)" if environment_cap() is not None else "")
+                 " (ZIMAGE_PINNED_GIB caps it)" if pinned_cap() is not None else "")
     BUDGET.headroom = headroom
     if "transformer" not in BUDGET.claims and torch.device(device).type == "cuda":
         p = planner.plan(ZImageConfig(), planner.device_free_bytes(device), 1024, 1024)

@@ -8,7 +8,7 @@ import comfy.model_management as mm
 import torch
 
 from .. import planner
-from ..compression import compression_setting
+from .. import environment
 from ..config import FULL
 from ..host_memory import BUDGET, available_ram
 from ..stack_streaming import StreamedStack
@@ -46,7 +46,7 @@ def _warn_text_encoder_from_disk(stack):
     the disk again; say so, and what would help. Not where its weights are locked in place: their
     pages stay (and the room left counts them as taken)."""
     te_bytes = len(stack.layers) * stack.layout.nbytes
-    room = BUDGET.room("text encoder")
+    room = BUDGET.ram_room("text encoder")  # ZIMAGE_PINNED_GIB caps pinned copies, not the page cache
     if _warned_disk[0] or stack.pool.in_place or room >= te_bytes or available_ram() is None:
         return
     _warned_disk[0] = True
@@ -64,7 +64,7 @@ def encode(clip, text):
     # ComfyUI loads the transformer after the prompt is encoded: the kernels' checks start now and
     # run beside the encode, not before the first step
     check_kernels_soon(clip.patcher.load_device, FULL.total_params() * torch.bfloat16.itemsize,
-                      compression_setting() != "off")
+                      environment.compression() != "off")
     tokens = clip.tokenize(text)
     streamed = streamed_text_encoder(clip)
     if streamed is None:
