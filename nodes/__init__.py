@@ -16,8 +16,8 @@ class ZImageExtension(ComfyExtension):
         # said once at start-up; the loader refuses each prompt with the same words (environment.read)
         for problem in environment.problems_now():
             logging.getLogger("zimage").error(
-                "Z-Image: %s The Z-Image nodes are loaded, but every prompt that uses them stops at the "
-                "Z-Image Model Loader with this message until the setting is fixed and ComfyUI restarted.", problem)
+                "Z-Image: %s The Z-Image nodes are loaded, but every prompt that uses them stops at its first "
+                "Z-Image node with this message until the setting is fixed and ComfyUI restarted.", problem)
         return [ZImageModelLoader, ZImageTextEncode, ZImageSampler, ZImageDecode]
 
 

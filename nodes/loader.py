@@ -3,7 +3,7 @@ import os
 import folder_paths
 from comfy_api.latest import io
 
-from ..zimage_core import bridge
+from ..zimage_core import bridge, environment
 from .checks import number
 from .status import aliases, node_id, show
 
@@ -65,7 +65,7 @@ class ZImageModelLoader(io.ComfyNode):
     def execute(cls, unet_name, weight_dtype, vram, resident_layers, leave_free_gb):
         number("leave_free_gb", leave_free_gb, 0.0, MAX_LEAVE_FREE, "GiB of GPU memory to leave free; 0 leaves none")
         path = folder_paths.get_full_path_or_raise("diffusion_models", unet_name)
-        env = bridge.environment.read()  # a malformed ZIMAGE_* setting stops the prompt here, its first node
+        env = environment.read()  # a malformed ZIMAGE_* setting stops the prompt here, its first node
         settings = bridge.Settings(max_resident=resident_layers if vram == "max_resident_layers" else None,
                                    leave_free=int((leave_free_gb if vram == "leave_free_gb" else 0.0) * (1 << 30)),
                                    compress=env.compression)

@@ -33,6 +33,7 @@ import json
 import os
 import shlex
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
@@ -118,6 +119,17 @@ def te_vae_weights(python=None, comfy_path=None, te_layers=TE_LAYERS):
                                 *device], capture_output=True, text=True, timeout=900)
             assert r.returncode == 0, f"weight generator failed:\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}"
     return paths
+
+
+def put_nan(path, key):
+    """Set the middle value of ``key`` (bf16) in the safetensors file at ``path`` to NaN, in place."""
+    with open(path, "r+b") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        entry = json.loads(f.read(n))[key]
+        assert entry["dtype"] == "BF16"
+        start, stop = entry["data_offsets"]
+        f.seek(8 + n + start + (stop - start) // 4 * 2)
+        f.write(b"\xc0\x7f")
 
 
 def make_base_dir(base, te_layers=TE_LAYERS):

@@ -4,16 +4,14 @@ stock KSampler, and an interrupt in the middle of one long step. Each gives a cl
 in time), the server lives, and the next good prompt makes its image. (A loaded model reading a
 file changed under it is tests/test_checkpoint.py's: here the loader sees the change first.)
 """
-import json
 import os
 import shutil
-import struct
 import time
 
 import pytest
 
 from comfy_env import comfyui_version, needs_comfyui
-from comfy_server import UNET
+from comfy_server import UNET, put_nan
 from test_comfy_server import failing_run, messages, node_of, pack_workflow
 
 pytestmark = needs_comfyui
@@ -23,24 +21,13 @@ NAN = "z_image_nan.safetensors"        # a copy with one NaN in a main layer's F
 NAN_KEY = "layers.0.feed_forward.w2.weight"
 
 
-def _put_nan(path, key):
-    """Set the middle value of ``key`` (bf16) to NaN, in place."""
-    with open(path, "r+b") as f:
-        n = struct.unpack("<Q", f.read(8))[0]
-        entry = json.loads(f.read(n))[key]
-        assert entry["dtype"] == "BF16"
-        start, stop = entry["data_offsets"]
-        f.seek(8 + n + start + (stop - start) // 4 * 2)
-        f.write(b"\xc0\x7f")
-
-
 @pytest.fixture(scope="module")
 def server(comfy_server, comfy_base_dir):
     """The session's server, with a copy of the model to truncate and one with a NaN."""
     folder = os.path.join(comfy_base_dir, "models", "diffusion_models")
     for name in (LIVE, NAN):
         shutil.copyfile(os.path.join(folder, UNET), os.path.join(folder, name))
-    _put_nan(os.path.join(folder, NAN), NAN_KEY)
+    put_nan(os.path.join(folder, NAN), NAN_KEY)
     yield comfy_server, folder
     for name in (LIVE, NAN):
         os.remove(os.path.join(folder, name))

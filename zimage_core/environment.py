@@ -1,5 +1,5 @@
 """The pack's environment variables, read in one place: the ComfyUI nodes (said once at start-up,
-and refused at each prompt's loader), the host budget, ``python -m zimage_core plan`` and the core
+and refused by each prompt's loader and encode), the host budget, ``python -m zimage_core plan`` and the core
 benchmark read the same values the same way, and refuse the same bad ones.
 
 - ``ZIMAGE_PINNED_GIB``: the host bytes this process may hold in copies of weights, in all

@@ -35,6 +35,14 @@ class SettingError(ZImageError):
     """An environment variable or option set to a value the pack cannot use."""
 
 
+class PatchError(ZImageError):
+    """A weight patch (a LoRA) that makes a weight NaN or infinite."""
+
+
+class TextEncoderError(ZImageError):
+    """The text encoder's output for a prompt is unusable (NaN or infinite)."""
+
+
 class NonFiniteWeights(ZImageError):
     """A streamed layer's matrix holds NaN or infinity (named by layer index and matrix)."""
 

@@ -3,6 +3,8 @@ imports only torch, so it runs and is tested without ComfyUI). The nodes call wh
 nothing else of the core.
 
     model.py         the pack's MODEL: ZImageModel (Lumina2 over the streamed transformer), ZImagePatcher
+    patches.py       weight patches (LoRA) computed as ComfyUI does, checked, counted, written into the layers
+    prompt.py        the node ComfyUI is running and the model files upstream of it, for errors that name them
     pinned.py        another model's patcher while the pack runs it (asks for little, unloads for free)
     text_encoder.py  the prompt's encode, the text encoder's layers streamed
     vae.py           the decode, in one piece per image, tiled only as a last resort
@@ -14,7 +16,7 @@ import importlib
 
 # what the nodes call -> the module that holds it. Imported on first use (PEP 562), so that
 # ``bridge.reaches`` imports without ComfyUI: the CPU tests check its probes.
-_API = {"STORAGE_DTYPES": "..transformer", "Settings": "..transformer", "environment": "..environment",
+_API = {"STORAGE_DTYPES": "..transformer", "Settings": "..transformer", 
         "ZImagePatcher": ".model", "load_model": ".model", "describe": ".model", "PinnedPatcher": ".pinned", "SAMPLERS": ".sampler",
         "SCHEDULERS": ".sampler", "sample": ".sampler", "encode": ".text_encoder",
         "streamed_text_encoder": ".text_encoder", "decode": ".vae", "pinned_vae": ".vae"}

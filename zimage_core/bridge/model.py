@@ -13,27 +13,21 @@ import logging
 import torch
 
 import comfy.conds
-import comfy.float
 import comfy.ldm.modules.attention
-import comfy.lora
 import comfy.model_base
 import comfy.model_management as mm
 import comfy.model_patcher
 import comfy.supported_models
-import comfy.utils
 
 from .. import planner
 from ..checkpoint import Checkpoint
 from ..errors import OutOfDeviceMemory
 from ..transformer import COMPUTE_DTYPES, STORAGE_DTYPES, Settings, ZImageTransformer
 from .memory import plan_host_budget
-
-# comfy.utils since v0.20; the old place still answers there, with a warning at every call
-string_to_seed = getattr(comfy.utils, "string_to_seed", None) or comfy.model_patcher.string_to_seed
+from .patches import apply as apply_patches, remember_sources
 
 log = logging.getLogger("zimage")
 _DTYPE_NAMES = {v: k for k, v in COMPUTE_DTYPES.items()}
-PREFIX = "diffusion_model."
 
 
 def comfy_attention(q, k, v, heads):
@@ -83,7 +77,7 @@ class ZImagePatcher(comfy.model_patcher.ModelPatcher):
         the first forward plans for it, and plans again if it differs from the last."""
         t = self.zimage
         t.to_device()
-        self._apply_patches()
+        apply_patches(self, t)
         if t.plan is not None:
             t.prepare(t.plan.width, t.plan.height, t.plan.batch)
         self._sync()
@@ -96,25 +90,10 @@ class ZImagePatcher(comfy.model_patcher.ModelPatcher):
         self.patch_model(device_to, lowvram_model_memory=0, load_weights=True)
         return max(0, self.loaded_size() - before)
 
-    def _apply_patches(self):
-        """Weight patches (LoRA and the like) are computed once per patch set, from the file's
-        weights, exactly as ComfyUI's ModelPatcher computes them (compute dtype of the device,
-        stochastic rounding seeded by the key), and written into the host masters, so streamed
-        layers carry them too. Keys patched by a previous set and not by this one are restored."""
-        t = self.zimage
-        if t.patches_uuid == self.patches_uuid:
-            return
-        wanted = {k for k in self.patches if k.startswith(PREFIX)}
-        for key in sorted(wanted | t.patched_keys):
-            base = t.base_weight(key[len(PREFIX):])
-            if key in wanted:
-                temp = base.to(device=t.device, dtype=mm.lora_compute_dtype(t.device), copy=True)
-                out = comfy.lora.calculate_weight(self.patches[key], temp, key)
-                base = comfy.float.stochastic_rounding(out, base.dtype, seed=string_to_seed(key))
-            t.set_weight(key[len(PREFIX):], base)
-        t.patched_keys, t.patches_uuid = wanted, self.patches_uuid
-        if wanted:
-            log.info("Z-Image: %d weights patched", len(wanted))
+    def add_patches(self, patches, strength_patch=1.0, strength_model=1.0):
+        added = super().add_patches(patches, strength_patch, strength_model)
+        remember_sources(patches, added)  # a damaged LoRA's error names its file
+        return added
 
     def model_mmap_residency(self, free=False):
         """(ComfyUI v0.20) The host copies are pinned buffers, not file mappings to bounce."""

@@ -52,6 +52,18 @@ def _attributes(obj, *names) -> str | None:
     return f"{getattr(obj, '__name__', obj)} has no {', '.join(missing)}" if missing else None
 
 
+def _file_mentions(name, *texts) -> str | None:
+    """A file of ComfyUI's root that cannot be imported here (``execution.py`` imports ComfyUI's
+    ``nodes``, which a process with the pack on its path finds as the pack's own)."""
+    import os
+
+    import folder_paths  # a module of ComfyUI's root
+    with open(os.path.join(os.path.dirname(os.path.abspath(folder_paths.__file__)), name)) as f:
+        src = f.read()
+    missing = [t for t in texts if t not in src]
+    return f"{name} no longer has {', '.join(missing)}" if missing else None
+
+
 def _optional(module_name, attr) -> str | None:
     """Something only newer versions have: absent is fine, present must be what the pack reads."""
     import importlib
@@ -65,6 +77,7 @@ def _optional(module_name, attr) -> str | None:
 
 
 def reaches() -> list:
+    import comfy_execution.utils
     import latent_preview
 
     import comfy.conds
@@ -97,7 +110,7 @@ def reaches() -> list:
               "model_lowvram, device", "model.py: ZImagePatcher._sync",
               lambda: _source_mentions(mp, "model_loaded_weight_memory", "model_lowvram")),
         Reach("Weight patches and hooks on a patcher: patches, patches_uuid, forced_hooks", "pinned.py: pinned_patcher, "
-              "model.py: ZImagePatcher._apply_patches",
+              "patches.py: apply",
               lambda: _source_mentions(mp.ModelPatcher.__init__, "self.patches", "self.patches_uuid",
                                        "self.forced_hooks")),
         Reach("Which patchers ComfyUI holds on the GPU: model_management.current_loaded_models and "
@@ -128,7 +141,7 @@ def reaches() -> list:
               or _attributes(comfy.supported_models.ZImage, "supported_inference_dtypes", "set_inference_dtype")),
         Reach("ModelPatcher's weight-patch formula, re-implemented: lora.calculate_weight(patches, weight, key), "
               "float.stochastic_rounding(value, dtype, seed), string_to_seed (utils; model_patcher in v0.8), "
-              "model_management.lora_compute_dtype", "model.py: ZImagePatcher._apply_patches",
+              "model_management.lora_compute_dtype", "patches.py: apply",
               lambda: _params(comfy.lora.calculate_weight, "patches", "weight", "key")
               or _params(comfy.float.stochastic_rounding, "value", "dtype", "seed")
               or (None if hasattr(comfy.utils, "string_to_seed") else _attributes(mp, "string_to_seed"))
@@ -171,6 +184,17 @@ def reaches() -> list:
               or _params(comfy.model_sampling.ModelSamplingDiscreteFlow.set_parameters, "shift", "multiplier")
               or _attributes(comfy.model_sampling, "CONST")
               or _params(latent_preview.prepare_callback, "model", "steps")),
+        Reach("ModelPatcher.add_patches(patches, strength_patch, strength_model) returning the keys it added, "
+              "overridden to remember which LoRA loader a patch came from", "model.py: ZImagePatcher.add_patches",
+              lambda: _params(mp.ModelPatcher.add_patches, "patches", "strength_patch", "strength_model")
+              or _source_mentions(mp.ModelPatcher.add_patches, "return list(p)")),
+        Reach("The node being executed and its prompt: comfy_execution.utils.get_executing_context() (prompt_id, "
+              "node_id), PromptServer.instance.prompt_queue.get_current_queue_volatile() with running items "
+              "(number, prompt_id, prompt, ...): the tests' damaged LoRA named by its file shows the layout holds",
+              "prompt.py: running_node",
+              lambda: _attributes(comfy_execution.utils, "get_executing_context")
+              or _attributes(comfy_execution.utils.ExecutionContext, "prompt_id", "node_id")
+              or _file_mentions("execution.py", "def get_current_queue_volatile(self)")),
     ]
 
 

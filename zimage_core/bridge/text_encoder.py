@@ -10,11 +10,13 @@ import torch
 from .. import planner
 from .. import environment
 from ..config import FULL
+from ..errors import TextEncoderError
 from ..host_memory import BUDGET, available_ram
 from ..stack_streaming import StreamedStack
 from ..transformer import check_kernels_soon
 from .memory import on_an_emptied_gpu_after_oom
 from .pinned import pinned_patcher
+from .prompt import files_upstream
 
 log = logging.getLogger("zimage")
 
@@ -64,13 +66,33 @@ def encode(clip, text):
     # ComfyUI loads the transformer after the prompt is encoded: the kernels' checks start now and
     # run beside the encode, not before the first step
     check_kernels_soon(clip.patcher.load_device, FULL.total_params() * torch.bfloat16.itemsize,
-                      environment.compression() != "off")
+                      environment.read().compression != "off")  # a malformed ZIMAGE_* setting stops here
     tokens = clip.tokenize(text)
     streamed = streamed_text_encoder(clip)
     if streamed is None:
-        return clip.encode_from_tokens_scheduled(tokens)
-    return on_an_emptied_gpu_after_oom(lambda: _encode_streamed(streamed, tokens), streamed.patcher.load_device,
-                                        "encoding the prompt")
+        out = clip.encode_from_tokens_scheduled(tokens)
+    else:
+        out = on_an_emptied_gpu_after_oom(lambda: _encode_streamed(streamed, tokens), streamed.patcher.load_device,
+                                         "encoding the prompt")
+    _check_finite(out)
+    return out
+
+
+def _check_finite(conditioning):
+    """A text encoder that gives NaN (a damaged file, or a LoRA on it) is named here, once, not
+    blamed on the transformer after a whole sampling run."""
+    values = [c for c, _ in conditioning if isinstance(c, torch.Tensor)]
+    bad = sum(int((~torch.isfinite(c)).sum()) for c in values)
+    if not bad:
+        return
+    files = files_upstream("clip")
+    source = f" from {', then '.join(files)}" if files else ""
+    lora = " or the LoRA on it" if any("Lora" in f for f in files) else ""
+    raise TextEncoderError(
+        f"The text encoder{source} gave NaN or infinite values for this prompt ({bad} of "
+        f"{sum(c.numel() for c in values)}): its file{lora} is damaged. The Z-Image model, its dtype and cfg "
+        "are not the cause. Download qwen_3_4b.safetensors again (CLIPLoader, type lumina2)"
+        f"{', or remove that LoRA' if lora else ''}.")
 
 
 def _encode_streamed(streamed, tokens):
