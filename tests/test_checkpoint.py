@@ -323,3 +323,33 @@ def test_a_master_that_maps_the_file_is_never_written(tiny_file):
     assert torch.equal(ckpt.tensor(key), original)
     assert ckpt.mapped(key, torch.bfloat16) is None  # stored as fp32: no view in another dtype
     ckpt.close()
+
+
+@pytest.mark.parametrize("make", ["link loop", "no permission"])
+def test_a_file_the_system_refuses_to_open(tmp_path, tiny_file, make):
+    """One line naming the file and what to check, not an OSError's traceback (root reads any file,
+    so the permission case runs only as another user)."""
+    path = str(tmp_path / "z_image.safetensors")
+    if make == "link loop":
+        os.symlink(path, path)
+    else:
+        if os.geteuid() == 0:
+            pytest.skip("root reads every file: the permission case needs another user")
+        import shutil
+        shutil.copyfile(tiny_file, path)
+        os.chmod(path, 0)
+    before = host_memory.live_bytes()
+    with pytest.raises(CheckpointError, match="cannot be read: .*Check that the user ComfyUI runs as may read it"):
+        ZImageTransformer.load(path, device="cpu", dtype="fp32")
+    assert host_memory.live_bytes() == before
+
+
+def test_compression_asked_for_and_not_used_is_said_once(tiny_file, caplog):
+    """ZIMAGE_COMPRESSION=on on a model whose layers cannot be compressed (fp32 on the CPU): said
+    once, with why, not silently ignored."""
+    t = ZImageTransformer.load(tiny_file, device="cpu", dtype="fp32", settings=Settings(compress="on"))
+    with caplog.at_level("INFO", logger="zimage"):
+        for size in ((64, 48), (48, 64)):
+            t.prepare(*size)
+    said = [r.getMessage() for r in caplog.records if "ZIMAGE_COMPRESSION=on" in r.getMessage()]
+    assert len(said) == 1 and "not used, its layers are float32 here" in said[0], said

@@ -1,7 +1,8 @@
 """Errors that name what caused them, through the session's real ComfyUI server: a LoRA with a NaN
 is named by its file (the model file is not blamed), a text encoder that gives NaN is named at the
 encode (before any sampling), a LoRA's console line counts the weights it really changed, and a
-malformed ZIMAGE_* setting is said at start-up and refused at each prompt's first Z-Image node.
+malformed ZIMAGE_* setting is said at start-up and refused at each prompt's first Z-Image node. And
+a prompt longer than Z-Image was trained on is said (the core tests check that it is planned for).
 """
 import os
 import shutil
@@ -98,6 +99,17 @@ def test_the_console_counts_the_weights_a_lora_changed(server, lora, line):
           + " | ".join(s.strip() for s in log.splitlines() if "Z-Image:" in s and "patched" in s))
     assert line in log, log[-4000:]
     assert "string_to_seed has moved" not in log
+
+
+def test_a_prompt_longer_than_trained_on_is_said(server):
+    # just past 512 tokens: the CPU's text encoder takes most of a minute for it (all 36 layers run)
+    wf = pack_workflow(prompt="a red house by a green river under a blue sky, " * 46, steps=1, prefix="long")
+    log, _ = _console(server, wf)
+    said = [s for s in log.splitlines() if "Z-Image: this prompt is" in s]
+    print(f"\nComfyUI {comfyui_version()}: " + " | ".join(s.strip() for s in log.splitlines() if "Z-Image:" in s))
+    assert len(said) == 1 and "trained on prompts of up to 512" in said[0], log[-4000:]
+    tokens = int(said[0].split("this prompt is ")[1].split()[0])
+    assert 512 < tokens <= 1024 and "plans for 1024 prompt tokens" in said[0], said
 
 
 def test_a_text_encoder_with_nan_is_named_at_the_encode(server):

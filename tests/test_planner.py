@@ -306,3 +306,25 @@ def test_a_plan_is_a_fresh_copy_each_time():
     a.force(0, None)
     b = plan(FULL, int(5.5 * GiB), 1024, 1024, compute_copy_ratio=0.9)
     assert b is not a and b.resident_layers > 0
+
+
+def test_a_long_prompt_is_planned_for_its_length():
+    """512 tokens (what Z-Image was trained on) or the prompt's length rounded up to 512s: a 3,962-token
+    prompt's activations are planned for, so a card that fits a short prompt's split may keep fewer layers."""
+    from zimage_core.planner import text_tokens_to_plan
+    assert [text_tokens_to_plan(n) for n in (1, 512, 513, 3962)] == [512, 512, 1024, 4096]
+    short = plan(FULL, int(7.5 * 2**30), 1024, 1024)
+    long = plan(FULL, int(7.5 * 2**30), 1024, 1024, text_tokens=4096)
+    assert short.text_tokens == 512 and long.text_tokens == 4096
+    assert long.activation_bytes > short.activation_bytes and long.resident_layers <= short.resident_layers
+    assert "a prompt of up to 4096 tokens" in long.summary() and "tokens" not in short.summary()
+
+
+def test_the_transformer_plans_for_the_prompt_it_gets(tiny_file):
+    """A forward with a prompt past 512 tokens plans for its length; one back within 512 plans as before."""
+    from zimage_core.transformer import ZImageTransformer
+    t = ZImageTransformer.load(tiny_file, device="cpu", dtype="fp32")
+    x, ts = torch.randn(1, 16, 8, 8), torch.tensor([0.5])
+    for tokens, planned in ((20, 512), (600, 1024), (30, 512)):
+        t(x, ts, torch.randn(1, tokens, TINY.cap_feat_dim))
+        assert t.plan.text_tokens == planned, (tokens, t.plan.text_tokens)

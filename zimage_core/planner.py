@@ -60,6 +60,15 @@ def host_room(cfg: ZImageConfig, available: int, storage=torch.bfloat16, dtype=t
     return HostRoom(available, headroom, host_memory.WORKING_MARGIN, fixed, layers)
 
 
+TEXT_TOKENS = 512  # the longest prompt Z-Image was trained on, in tokens: what a plan assumes at least
+
+
+def text_tokens_to_plan(n: int) -> int:
+    """The prompt tokens a plan is made for: 512, or a longer prompt's length rounded up to a
+    multiple of 512 (prompts of about the same length share a plan instead of re-planning)."""
+    return max(TEXT_TOKENS, -(-int(n) // TEXT_TOKENS) * TEXT_TOKENS)
+
+
 @dataclass
 class Plan:
     width: int
@@ -82,6 +91,7 @@ class Plan:
     file_layers: int = 0           # streamed layers read from the file (page cache) at every upload
     ram_short: int = 0             # of those, layers a master would make faster, for which the RAM has no room
     master_bytes: int = 0          # host bytes of one pinned master (less than layer_bytes where compressed)
+    text_tokens: int = TEXT_TOKENS  # the prompt's tokens it was planned for (``text_tokens_to_plan``)
 
     @property
     def compressed(self) -> bool:
@@ -94,6 +104,8 @@ class Plan:
     def summary(self) -> str:
         n = self.resident_layers + self.streamed_layers
         size = f"{self.width}x{self.height}{'' if self.batch == 1 else f', batch {self.batch}'}"
+        if self.text_tokens > TEXT_TOKENS:
+            size += f", a prompt of up to {self.text_tokens} tokens"
         memory = "RAM" if self.on_cpu else "GPU memory"
         if not self.fits:
             if self.largest_fitting:
@@ -191,12 +203,13 @@ def _scaled(width, height, s):
 
 
 def plan_host(cfg: ZImageConfig, free_bytes: int, width: int, height: int, batch: int = 1,
-              dtype=torch.float32, chunk_rows=None, chunk_queries=None, compress: str = "off") -> Plan:
+              dtype=torch.float32, chunk_rows=None, chunk_queries=None, compress: str = "off",
+              text_tokens: int = TEXT_TOKENS) -> Plan:
     """A forward computed on the CPU: the layers are in host memory already, so what must fit in
     the RAM that is available is the activations (and what the rest of the machine keeps).
     ``compress``: "on" keeps bf16 masters compressed (the reference decode; no bus to save on)."""
     def need(w, h):
-        return activation_bytes(cfg, w, h, batch, dtype=dtype, storage=dtype, chunk_rows=chunk_rows,
+        return activation_bytes(cfg, w, h, batch, text_tokens, dtype=dtype, storage=dtype, chunk_rows=chunk_rows,
                                 chunk_queries=chunk_queries) + HOST_RESERVE
 
     act = need(width, height) - HOST_RESERVE
@@ -208,7 +221,8 @@ def plan_host(cfg: ZImageConfig, free_bytes: int, width: int, height: int, batch
                 layer, cfg.fixed_params() * dtype.itemsize, act, 0, 0, fits, on_cpu=True,
                 needed_bytes=act + HOST_RESERVE,
                 master_bytes=compression.bound(packed.numel) if compress == "on" and dtype == torch.bfloat16 else layer,
-                largest_fitting=None if fits else _largest_fitting(width, height, lambda w, h: need(w, h) <= free_bytes))
+                largest_fitting=None if fits else _largest_fitting(width, height, lambda w, h: need(w, h) <= free_bytes),
+                text_tokens=text_tokens)
 
 
 def room_for_another(resident: int, slots: int) -> tuple | None:
@@ -347,7 +361,7 @@ def _step_with_pinned(n_layers, resident, slots, costs, fixed, pinned, file_copy
 def plan(cfg: ZImageConfig, free_bytes: int, width: int, height: int, batch: int = 1,
          storage=torch.bfloat16, dtype=torch.bfloat16, compute_copy_ratio: float | None = None,
          host_room: int | None = None, file_copy: float | None = None, compress: str = "off",
-         decode: float = 0.0) -> Plan:
+         decode: float = 0.0, text_tokens: int = TEXT_TOKENS) -> Plan:
     """The split for ``free_bytes`` of device memory; ``host_room``: host bytes the streamed layers'
     masters may take (None: as many as they need). With ``file_copy`` (a layer's upload from the
     page cache through the staging ring, over one from a pinned master) only the streamed layers
@@ -359,7 +373,8 @@ def plan(cfg: ZImageConfig, free_bytes: int, width: int, height: int, batch: int
     unit). "on" compresses wherever the decode's two device buffers fit beside the rest; "auto"
     where that also makes the simulated step at least 2% shorter: where the copies hide behind the
     compute anyway, the decode only adds to it (``Plan.compressed``)."""
-    args = (cfg, free_bytes, width, height, batch, storage, dtype, compute_copy_ratio, host_room, file_copy)
+    args = (cfg, free_bytes, width, height, batch, storage, dtype, compute_copy_ratio, host_room, file_copy,
+            text_tokens)
     if compress == "off" or storage != torch.bfloat16:
         return _plan(*args)[0]
     packed, packed_step = _plan(*args, compress=True, decode=decode)
@@ -373,7 +388,7 @@ def plan(cfg: ZImageConfig, free_bytes: int, width: int, height: int, batch: int
 
 
 def _plan(cfg, free_bytes, width, height, batch, storage, dtype, compute_copy_ratio, host_room, file_copy,
-          compress=False, decode=0.0) -> tuple:
+          text_tokens, compress=False, decode=0.0) -> tuple:
     """(``plan``'s split with or without compressed masters, its simulated step in plain uploads
     of a layer, or None where the compute/copy ratio is not known)."""
     packed = PackLayout(cfg, storage)
@@ -385,11 +400,11 @@ def _plan(cfg, free_bytes, width, height, batch, storage, dtype, compute_copy_ra
     master_copy = (compression.expected(packed.numel) if compress else layer) / layer
     decode = decode if compress else 0.0
     fixed = cfg.fixed_params() * dtype.itemsize
-    act = activation_bytes(cfg, width, height, batch, dtype=dtype, storage=storage)
+    act = activation_bytes(cfg, width, height, batch, text_tokens, dtype=dtype, storage=storage)
     room = free_bytes - fixed - act - device_margin(act, batch) - (CODEC_BYTES if compress else 0)
     n = cfg.n_blocks
     if compute_copy_ratio is not None:
-        costs = [c * compute_copy_ratio for c in block_costs(cfg, width, height, batch)]
+        costs = [c * compute_copy_ratio for c in block_costs(cfg, width, height, batch, text_tokens)]
         before = 0.25 * compute_copy_ratio  # embedders, final layer and sampler, in layers' worth
     if room >= n * layer:
         r, k = n, 0
@@ -409,7 +424,7 @@ def _plan(cfg, free_bytes, width, height, batch, storage, dtype, compute_copy_ra
         needed = pinned_needed(n, r, k, costs, before, file_copy, master_copy, decode)
 
     def need(w, h):  # the least a size needs: everything streamed through one slot
-        a = activation_bytes(cfg, w, h, batch, dtype=dtype, storage=storage)
+        a = activation_bytes(cfg, w, h, batch, text_tokens, dtype=dtype, storage=storage)
         return fixed + a + device_margin(a, batch) + (layer + (CODEC_BYTES if compress else 0) if n else 0)
 
     if not fits:
@@ -423,4 +438,4 @@ def _plan(cfg, free_bytes, width, height, batch, storage, dtype, compute_copy_ra
                 needed_bytes=need(width, height),
                 largest_fitting=None if fits else _largest_fitting(width, height, lambda w, h: need(w, h) <= free_bytes),
                 pinned_layers=pinned, file_layers=streamed - pinned, ram_short=needed - pinned,
-                master_bytes=master), step
+                master_bytes=master, text_tokens=text_tokens), step

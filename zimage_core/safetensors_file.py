@@ -69,6 +69,10 @@ class SafetensorsFile:
             raise CheckpointError(path, "does not exist.", "Check the file name and the models folder.") from None
         except IsADirectoryError:
             raise CheckpointError(path, "is a folder, not a file.", _FIX_FORMAT) from None
+        except OSError as e:  # no permission, a link loop, a disk error
+            raise CheckpointError(path, f"cannot be read: {e.strerror or e}.",
+                                  "Check that the user ComfyUI runs as may read it (its permissions and owner) "
+                                  "and that the disk is healthy.") from None
         self._lock = threading.Lock()  # seek + read where the OS has no positional read (Windows)
         self._map = None  # the file's bytes, mapped read-only on the first ``mapped``
         try:

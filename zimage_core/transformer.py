@@ -92,6 +92,7 @@ class ZImageTransformer(torch.nn.Module):
         self._status_to = None                # callback(str) for the one-line status, within status_to()
         self._last_status = None
         self._warned = None                   # (file layers, streamed layers) last warned about
+        self._said_uncompressed = False       # ZIMAGE_COMPRESSION=on left unused here: said once
         self.patches_uuid = None              # id of the weight-patch set (LoRA) now in the weights
         self.patched_keys: set = set()        # canonical keys that set changed (prefixed as patched)
         self._ratio = {}                      # tokens -> (compute/copy ratio, page-cache/pinned upload, upload seconds)
@@ -212,14 +213,14 @@ class ZImageTransformer(torch.nn.Module):
         queries = int(CPU_PIECE_FLOPS / (4 * batch * tokens * cfg.dim))
         return Chunks(max(32, rows // 32 * 32), max(16, queries // 16 * 16), self.check_interrupt)
 
-    def make_plan(self, width, height, batch=1, free_bytes=None) -> planner.Plan:
+    def make_plan(self, width, height, batch=1, free_bytes=None, text_tokens=planner.TEXT_TOKENS) -> planner.Plan:
         free = (self.free_bytes() if free_bytes is None else free_bytes) - self.settings.leave_free
         mode = self.settings.compress if self.streamer.can_compress else "off"
         if self.device.type == "cpu":
             c = self.chunks(width, height, batch)
             return planner.plan_host(self.cfg, free, width, height, batch, dtype=self.dtype,
-                                     chunk_rows=c.rows, chunk_queries=c.queries, compress=mode)
-        sizes = dict(storage=self.storage_dtype, dtype=self.dtype)
+                                     chunk_rows=c.rows, chunk_queries=c.queries, compress=mode, text_tokens=text_tokens)
+        sizes = dict(storage=self.storage_dtype, dtype=self.dtype, text_tokens=text_tokens)
         if mode != "on":  # a card that holds every layer: nothing to measure, nothing to compress
             whole = planner.plan(self.cfg, free, width, height, batch, host_room=self.host_room(), **sizes)
             if whole.fits and not whole.streamed_layers:
@@ -251,9 +252,11 @@ class ZImageTransformer(torch.nn.Module):
             return None
         return s.master_layers * s.master_bytes + max(0, s.pool.room() - s.staging_due())
 
-    def prepare(self, width, height, batch=1, resident_layers=None, free_bytes=None) -> planner.Plan:
-        """Set the split for an image of this size: planned, or forced to ``resident_layers``."""
-        p = self.make_plan(width, height, batch, free_bytes)
+    def prepare(self, width, height, batch=1, resident_layers=None, free_bytes=None,
+                text_tokens=planner.TEXT_TOKENS) -> planner.Plan:
+        """Set the split for an image of this size and a prompt of up to ``text_tokens`` tokens:
+        planned, or forced to ``resident_layers``."""
+        p = self.make_plan(width, height, batch, free_bytes, text_tokens)
         if resident_layers is not None:
             p.force(resident_layers, self.host_room())
         elif not p.fits:
@@ -271,7 +274,23 @@ class ZImageTransformer(torch.nn.Module):
                                      + staging_bytes(self.streamer.layout))
         self._announce()
         self._warn_host(p)
+        self._say_if_uncompressed(p)
         return p
+
+    def _say_if_uncompressed(self, p):
+        """Once: ZIMAGE_COMPRESSION=on asked for compressed layers and this plan has none (where the
+        GPU's decode cannot run, its check has said why already)."""
+        if self.settings.compress != "on" or p.compressed or self._said_uncompressed or not p.fits:
+            return
+        if not self.streamer.can_compress:
+            why = (f"its layers are {str(self.streamer.layout.dtype).removeprefix('torch.')} here (compression is "
+                   "for bf16 layers; an fp8 file streams as it is, the CPU computes in fp32)")
+        elif self.device.type == "cuda" and not compression.decodes_on(self.device):
+            return
+        else:
+            why = "every layer fits on the device: nothing streams"
+        self._said_uncompressed = True
+        log.info("Z-Image: ZIMAGE_COMPRESSION=on: not used, %s.", why)
 
     def _warn_host(self, p):
         """Once per plan that reads layers from the file for want of RAM: what would help."""
@@ -473,9 +492,10 @@ class ZImageTransformer(torch.nn.Module):
     @torch.no_grad()
     def forward(self, x, timesteps, context, num_tokens=None, attention_mask=None, transformer_options={}, **kw):
         self.to_device()
-        if self.plan is None or (self.plan.width, self.plan.height, self.plan.batch) != (
-                x.shape[-1] * 8, x.shape[-2] * 8, x.shape[0]) or (self.streamer.n_streamed and not self.streamer.slots):
-            self.prepare(x.shape[-1] * 8, x.shape[-2] * 8, x.shape[0])
+        size = (x.shape[-1] * 8, x.shape[-2] * 8, x.shape[0], planner.text_tokens_to_plan(context.shape[1]))
+        if self.plan is None or (self.plan.width, self.plan.height, self.plan.batch, self.plan.text_tokens) != size \
+                or (self.streamer.n_streamed and not self.streamer.slots):
+            self.prepare(*size[:3], text_tokens=size[3])
         if not self._fixed_checked:
             self._check_fixed()
         chunks = self.chunks(x.shape[-1] * 8, x.shape[-2] * 8, x.shape[0])

@@ -79,7 +79,7 @@ class ZImagePatcher(comfy.model_patcher.ModelPatcher):
         t.to_device()
         apply_patches(self, t)
         if t.plan is not None:
-            t.prepare(t.plan.width, t.plan.height, t.plan.batch)
+            t.prepare(t.plan.width, t.plan.height, t.plan.batch, text_tokens=t.plan.text_tokens)
         self._sync()
 
     def partially_load(self, device_to, extra_memory=0, force_patch_weights=False):
@@ -123,7 +123,7 @@ class ZImagePatcher(comfy.model_patcher.ModelPatcher):
         if not (t.streamer.cuda and t.on_device and t.plan is not None):
             return
         try:
-            t.prepare(t.plan.width, t.plan.height, t.plan.batch)
+            t.prepare(t.plan.width, t.plan.height, t.plan.batch, text_tokens=t.plan.text_tokens)
         except OutOfDeviceMemory:
             return  # someone else holds the memory now: the next sampling run plans with what is left
         finally:

@@ -23,8 +23,11 @@ log = logging.getLogger("zimage")
 
 def _streamed_stack(clip, pool):
     stack = StreamedStack(clip.cond_stage_model, clip.patcher.load_device, pool)
-    log.info("Z-Image: text encoder streamed: %d layers through %d slots, %.2f GiB on the device",
-             len(stack.layers), stack.n_slots, stack.loaded_bytes / planner.GiB)
+    if stack.device.type == "cpu":
+        log.info("Z-Image: text encoder on the CPU: %d layers in host memory", len(stack.layers))
+    else:
+        log.info("Z-Image: text encoder streamed: %d layers through %d slots, %.2f GiB on the GPU",
+                 len(stack.layers), stack.n_slots, stack.loaded_bytes / planner.GiB)
     return stack
 
 
@@ -75,7 +78,17 @@ def encode(clip, text):
         out = on_an_emptied_gpu_after_oom(lambda: _encode_streamed(streamed, tokens), streamed.patcher.load_device,
                                          "encoding the prompt")
     _check_finite(out)
+    _say_if_long(out)
     return out
+
+
+def _say_if_long(conditioning):
+    """A prompt longer than Z-Image was trained on still works, and makes every step slower: say so."""
+    tokens = max(c.shape[1] for c, _ in conditioning)
+    if tokens > planner.TEXT_TOKENS:
+        log.warning("Z-Image: this prompt is %d tokens; Z-Image-Turbo was trained on prompts of up to %d. Longer "
+                    "ones are outside what it learned, and every step takes longer (the transformer plans for "
+                    "%d prompt tokens).", tokens, planner.TEXT_TOKENS, planner.text_tokens_to_plan(tokens))
 
 
 def _check_finite(conditioning):
