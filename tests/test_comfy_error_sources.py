@@ -21,10 +21,10 @@ DIM, FFN = 3840, 10240  # the test transformer's width and its MLP's (comfy_serv
 TE_NAN = "qwen_nan.safetensors"
 
 
-def _lora_keys(name, out_dim, in_dim, rank=4, nan=False):
+def _lora_keys(name, out_dim, in_dim, rank=4, nan=False, scale=0.05):
     """ComfyUI's LoRA layout for transformer key ``name`` (``layers.0.attention.out``)."""
     g = torch.Generator().manual_seed(len(name) + out_dim)
-    up, down = torch.randn(out_dim, rank, generator=g) * 0.05, torch.randn(rank, in_dim, generator=g) * 0.05
+    up, down = torch.randn(out_dim, rank, generator=g) * scale, torch.randn(rank, in_dim, generator=g) * scale
     if nan:
         up[0, 0] = float("nan")
     prefix = "lora_unet_" + name.replace(".", "_")
@@ -33,6 +33,8 @@ def _lora_keys(name, out_dim, in_dim, rank=4, nan=False):
 
 LORAS = {
     "lora_nan.safetensors": _lora_keys("layers.0.attention.out", DIM, DIM, nan=True),
+    # finite values whose product overflows float32 (3.4e38)
+    "lora_huge.safetensors": _lora_keys("layers.0.attention.out", DIM, DIM, scale=1e20),
     # one key that fits, one whose matrices do not (ComfyUI refuses it at the patch)
     "lora_one_bad.safetensors": {**_lora_keys("layers.0.attention.out", DIM, DIM),
                                  **_lora_keys("layers.0.feed_forward.w1", 100, DIM)},
@@ -87,6 +89,16 @@ def test_a_lora_with_nan_is_named_and_the_model_file_is_not_blamed(server, pack_
     entry = server.run(pack_workflow(prefix="after_lora_nan"))
     img = server.image(entry, node_of(pack_workflow(), "SaveImage"))
     assert img.tobytes() == pack_run[1].tobytes()
+
+
+def test_a_lora_that_overflows_a_weight_is_named_with_its_strength(server):
+    log, err = _console(server, lora_workflow("lora_huge.safetensors", strength=2.0, prefix="lora_huge"), fails=True)
+    msg = err["exception_message"]
+    print(f"\nComfyUI {comfyui_version()}: {err['exception_type']}: {msg}")
+    assert err["exception_type"] == "zimage.PatchError", err
+    assert msg.startswith("The LoRA lora_huge.safetensors (LoraLoaderModelOnly, node 100) at strength 2 makes "
+                          "layers.0.attention.out.weight overflow"), msg
+    assert "Lower the LoRA's strength" in msg and UNET not in msg
 
 
 @pytest.mark.parametrize("lora, line", [

@@ -13,7 +13,7 @@ def test_streamed_text_encoder_matches_comfyui(tmp_path):
     assert res["equal"] == [True, True]          # torch.equal with ComfyUI's own encode
     assert res["params_untouched"] == [True, True]
     assert res["after_encode_on_device"] == ["cpu"]
-    assert any("text encoder streamed: 36 layers" in m for m in res["log"])
+    assert any("text encoder on the CPU: 36 layers in host memory" in m for m in res["log"])
     # where the RAM left cannot keep its file cached, the console says so once, and what would help
     disk = [m for m in res["log"] if "read from the disk for every new prompt" in m]
     assert len(disk) == 1 and "fp8" in disk[0] and "more RAM" in disk[0]
