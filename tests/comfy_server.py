@@ -81,13 +81,14 @@ def cache_root():
     return os.path.join(tempfile.gettempdir(), "zimage_comfy_test_weights")
 
 
-def transformer_weights():
-    """The dim-3840, one-layer transformer (ComfyUI key layout), cached by the writer's source."""
+def transformer_weights(full=False):
+    """The dim-3840 transformer (ComfyUI key layout), cached by the writer's source: one main layer,
+    or with ``full`` all 30 (12 GB, trained-like scales, drawn on the GPU where there is one)."""
     import torch
 
     key = _digest(*(os.path.join(ROOT, f) for f in ("tools/random_weights.py", "zimage_core/checkpoint.py",
                                                      "zimage_core/config.py", "tests/comfy_server.py")))
-    folder = os.path.join(cache_root(), f"transformer-{key}")
+    folder = os.path.join(cache_root(), f"transformer-{key}{'-full' if full else ''}")
     path = os.path.join(folder, UNET)
     with _locked(folder):
         if not os.path.isfile(path):
@@ -95,9 +96,13 @@ def transformer_weights():
             from tools.random_weights import write_checkpoint
 
             tmp = os.path.join(folder, f"tmp-{os.getpid()}.safetensors")
-            # plain N(0, 0.02) values: with the realistic scales' small output projections one layer
-            # barely moves the noise, and the sensitivity test needs the transformer to shape the image
-            write_checkpoint(tmp, ZImageConfig(n_layers=1), dtype=torch.bfloat16, realistic=False)
+            if full:
+                write_checkpoint(tmp, ZImageConfig(), dtype=torch.bfloat16,
+                                 device="cuda" if torch.cuda.is_available() else "cpu")
+            else:
+                # plain N(0, 0.02) values: with the realistic scales' small output projections one layer
+                # barely moves the noise, and the sensitivity test needs the transformer to shape the image
+                write_checkpoint(tmp, ZImageConfig(n_layers=1), dtype=torch.bfloat16, realistic=False)
             os.replace(tmp, path)
     return path
 
@@ -132,16 +137,17 @@ def put_nan(path, key):
         f.write(b"\xc0\x7f")
 
 
-def make_base_dir(base, te_layers=TE_LAYERS):
-    """custom_nodes/<pack> -> repository root; models/{diffusion_models,text_encoders,vae}; user, input, output."""
-    for sub in ("custom_nodes", "models/diffusion_models", "models/text_encoders", "models/vae", "user",
-                "input", "output"):
+def make_base_dir(base, te_layers=TE_LAYERS, full_transformer=False):
+    """custom_nodes/<pack> -> repository root; models/{diffusion_models,text_encoders,vae,loras}; user,
+    input, output."""
+    for sub in ("custom_nodes", "models/diffusion_models", "models/text_encoders", "models/vae", "models/loras",
+                "user", "input", "output"):
         os.makedirs(os.path.join(base, sub), exist_ok=True)
     link = os.path.join(base, "custom_nodes", PACK)
     if not os.path.islink(link):
         os.symlink(ROOT, link, target_is_directory=True)
     te_vae = te_vae_weights(te_layers=te_layers)
-    for folder, name, src in (("diffusion_models", UNET, transformer_weights()), ("text_encoders", TE, te_vae[TE]),
+    for folder, name, src in (("diffusion_models", UNET, transformer_weights(full_transformer)), ("text_encoders", TE, te_vae[TE]),
                               ("vae", VAE, te_vae[VAE])):
         dst = os.path.join(base, "models", folder, name)
         if not os.path.lexists(dst):

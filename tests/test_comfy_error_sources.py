@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 
 from comfy_env import comfyui_version, needs_comfyui
 from comfy_server import TE, UNET, make_base_dir, put_nan, start_server, stop_server
-from test_comfy_server import failing_run, node_of, pack_run, pack_workflow  # noqa: F401 (pack_run: a fixture)
+from test_comfy_server import failing_run, lora_workflow, node_of, pack_run, pack_workflow  # noqa: F401 (pack_run: a fixture)
 
 pytestmark = needs_comfyui
 
@@ -58,16 +58,6 @@ def server(comfy_server, comfy_base_dir):
     os.remove(os.path.join(te, TE_NAN))
     for name in LORAS:
         os.remove(os.path.join(loras, name))
-
-
-def lora_workflow(lora, strength=1.0, **kw):
-    """The pack's workflow with a stock LoraLoaderModelOnly between its loader and its sampler."""
-    wf = pack_workflow(**kw)
-    loader = node_of(wf, "ZImageModelLoader")
-    wf["100"] = {"class_type": "LoraLoaderModelOnly",
-                 "inputs": {"model": [loader, 0], "lora_name": lora, "strength_model": strength}}
-    wf[node_of(wf, "ZImageSampler")]["inputs"]["model"] = ["100", 0]
-    return wf
 
 
 def _console(client, wf, fails=False):

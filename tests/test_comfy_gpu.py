@@ -13,13 +13,18 @@ Dynamic VRAM, v0.33.0's own encode of the CPU suite's two-layer file fails ("mat
 cannot be multiplied" in a q_proj: its weight prefetch meets the weights the file lacks), which
 would test the file, not the pack.
 """
+import contextlib
 import os
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
 
 from comfy_env import COMFYUI_PATH, comfyui_version, needs_comfyui
-from comfy_server import TE_LAYERS_FULL, make_base_dir, server_flags, start_server, stop_server
+from comfy_identity import LORA, differences, run_session, session, table, write_lora
+from comfy_server import ROOT, TE_LAYERS_FULL, make_base_dir, server_flags, start_server, stop_server
 from test_comfy_server import image_stats, node_of, official_template, pack_workflow
 
 pytestmark = [needs_comfyui, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -36,6 +41,54 @@ def _has_dynamic_vram() -> bool:
 @pytest.fixture(scope="module")
 def gpu_base_dir(tmp_path_factory):
     return make_base_dir(str(tmp_path_factory.mktemp("comfy_gpu_base")), te_layers=TE_LAYERS_FULL)
+
+
+@pytest.fixture(scope="module")
+def full_size_base_dir(tmp_path_factory):
+    """The whole random model: 30 main layers (12 GB) and the 36-layer text encoder."""
+    base = make_base_dir(str(tmp_path_factory.mktemp("comfy_gpu_full")), te_layers=TE_LAYERS_FULL,
+                         full_transformer=True)
+    write_lora(os.path.join(base, "models", "loras", LORA), layers=30)
+    return base
+
+
+@contextlib.contextmanager
+def simulated_card(gib, folder):
+    """Another process holds the GPU's memory but ``gib`` GiB ("full": nothing held)."""
+    if gib == "full":
+        yield
+        return
+    flag = os.path.join(folder, f"ballast-{gib}.ready")
+    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "tools", "ballast.py"), "--leave-gib", gib,
+                             "--flag", flag])
+    try:
+        end = time.monotonic() + 120
+        while not os.path.exists(flag):
+            assert proc.poll() is None and time.monotonic() < end, "the ballast did not hold the memory"
+            time.sleep(0.2)
+        yield
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+CARDS = ("full", "11.5", "7.5", "5.5")
+
+
+def test_the_same_images_on_every_card(full_size_base_dir):
+    """One session of images (comfy_identity.py) at 1024x1024, 8 steps, on the whole GPU and three
+    simulated cards, one server each: every image the same to the bit on every card, and the first
+    prompt's image the same when it comes again at the end of its server's session."""
+    by_card = {}
+    for card in CARDS:
+        with simulated_card(card, full_size_base_dir):
+            client = start_server(full_size_base_dir, server_flags(), cpu=False, log_name=f"comfyui-card-{card}.log")
+            try:
+                by_card[card] = run_session(client, session(1024, (1344, 768), 8, {}, f"card{card}"))
+            finally:
+                stop_server(client)
+    print(f"\nComfyUI {comfyui_version()} on the GPU, pixel hashes by card (GiB free):\n{table(by_card)}")
+    assert not differences(by_card), differences(by_card)
 
 
 @pytest.mark.parametrize("dynamic", ["on", "off"])

@@ -53,8 +53,9 @@ def official_template(prompt=PROMPT, width=SIZE, height=SIZE, steps=STEPS, seed=
 
 
 def pack_workflow(prompt=PROMPT, width=SIZE, height=SIZE, steps=STEPS, seed=42, prefix="pack", unet=None,
-                  batch_size=1):
-    """workflows/api/z_image_turbo.json with the test's prompt, size, steps, seed and file prefix."""
+                  batch_size=1, loader=None):
+    """workflows/api/z_image_turbo.json with the test's prompt, size, steps, seed and file prefix
+    (and ``loader``: inputs of the model loader)."""
     with open(API_WORKFLOW) as f:
         wf = json.load(f)
     by_type = {n["class_type"]: n["inputs"] for n in wf.values()}
@@ -63,6 +64,17 @@ def pack_workflow(prompt=PROMPT, width=SIZE, height=SIZE, steps=STEPS, seed=42, 
     by_type["SaveImage"]["filename_prefix"] = prefix
     if unet:
         by_type["ZImageModelLoader"]["unet_name"] = unet
+    by_type["ZImageModelLoader"].update(loader or {})
+    return wf
+
+
+def lora_workflow(lora, strength=1.0, **kw):
+    """The pack's workflow with a stock LoraLoaderModelOnly between its loader and its sampler."""
+    wf = pack_workflow(**kw)
+    loader = node_of(wf, "ZImageModelLoader")
+    wf["100"] = {"class_type": "LoraLoaderModelOnly",
+                 "inputs": {"model": [loader, 0], "lora_name": lora, "strength_model": strength}}
+    wf[node_of(wf, "ZImageSampler")]["inputs"]["model"] = ["100", 0]
     return wf
 
 

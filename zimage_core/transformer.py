@@ -218,8 +218,10 @@ class ZImageTransformer(torch.nn.Module):
         mode = self.settings.compress if self.streamer.can_compress else "off"
         if self.device.type == "cpu":
             c = self.chunks(width, height, batch)
-            return planner.plan_host(self.cfg, free, width, height, batch, dtype=self.dtype,
-                                     chunk_rows=c.rows, chunk_queries=c.queries, compress=mode, text_tokens=text_tokens)
+            # max_resident_layers holds on the CPU too: the others stream from their host masters
+            return self._capped(planner.plan_host(self.cfg, free, width, height, batch, dtype=self.dtype,
+                                                  chunk_rows=c.rows, chunk_queries=c.queries, compress=mode,
+                                                  text_tokens=text_tokens))
         sizes = dict(storage=self.storage_dtype, dtype=self.dtype, text_tokens=text_tokens)
         if mode != "on":  # a card that holds every layer: nothing to measure, nothing to compress
             whole = planner.plan(self.cfg, free, width, height, batch, host_room=self.host_room(), **sizes)
@@ -227,7 +229,7 @@ class ZImageTransformer(torch.nn.Module):
                 return self._capped(whole)
         tokens = self.cfg.image_tokens(width, height) * batch
         if tokens not in self._ratio and self.device.type == "cuda":
-            self._ratio[tokens] = self._measure_ratio(tokens)
+            self._ratio[tokens] = self._measure_with_room(tokens)
         ratio, file_copy, upload_s = self._ratio.get(tokens, (None, None, None))
         split = functools.partial(planner.plan, self.cfg, free, width, height, batch, compute_copy_ratio=ratio,
                                   host_room=self.host_room(), file_copy=file_copy, **sizes)
@@ -442,6 +444,21 @@ class ZImageTransformer(torch.nn.Module):
         layout.region(self.streamer.host[owner], name).copy_(value)
         if owner in self.streamer.resident:
             layout.region(self.streamer.resident[owner], name).copy_(value)
+
+    def _measure_with_room(self, tokens) -> tuple:
+        """``_measure_ratio`` on a card that the current split fills (a larger image or batch comes
+        after a smaller one): resident layers make way for its buffers, one at a time. The plan that
+        follows promotes them again where they fit (``free_bytes`` counts them as this model's)."""
+        while True:
+            try:
+                return self._measure_ratio(tokens)
+            except torch.OutOfMemoryError:
+                pass  # out of the handler first: its traceback holds the measurement's tensors
+            if not self._evict_one():
+                raise OutOfDeviceMemory(f"Out of GPU memory even with every layer streamed, while timing a "
+                                        f"step of {tokens} image tokens. Lower the image size or batch, or free "
+                                        "GPU memory.")
+            torch.cuda.empty_cache()
 
     def _measure_ratio(self, tokens) -> tuple:
         """Compute time of one layer over upload time of one layer: a matmul and an upload timed on
