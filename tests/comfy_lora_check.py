@@ -156,5 +156,15 @@ streamed8 = run(f8)
 results["fp8"] = {"storage": str(t8.storage_dtype), "compute": str(t8.dtype), "vs_native": rel(out8, run(n8)),
                   "streamed_equal": bool(torch.equal(streamed8, out8)),
                   "layer_bytes_ratio": pack.zimage.streamer.layout.nbytes / t8.streamer.layout.nbytes}
+# a LoRA on the fp8 file: patched in fp32, rounded back to fp8 as ComfyUI rounds it (streamed, max_resident 0)
+sd_big, _ = lora_comfy(layers)
+sd1_8 = comfy.sd.load_lora_for_models(f8, None, sd_big, 0.8, 0)[0]
+n8_lora = comfy.sd.load_lora_for_models(n8, None, sd_big, 0.8, 0)[0]
+out8_lora = run(sd1_8)
+results["fp8"]["lora_vs_native"] = rel(out8_lora, run(n8_lora))
+results["fp8"]["lora_changed"] = rel(out8_lora, out8)
+sd1_8b = comfy.sd.load_lora_for_models(f8, None, sd1, 0.8, 0)[0]
+n8_lorab = comfy.sd.load_lora_for_models(n8, None, sd1, 0.8, 0)[0]
+results["fp8"]["lora_fixed_vs_native"] = rel(run(sd1_8b), run(n8_lorab))
 with open(out_path, "w") as f:
     json.dump(results, f)

@@ -28,3 +28,5 @@ def test_lora_matches_comfyui_native(tmp_path):
     assert fp8["storage"] == "torch.float8_e4m3fn" and fp8["streamed_equal"]
     assert fp8["layer_bytes_ratio"] == 4.0  # fp32 against fp8 here; bf16 against fp8 is 2
     assert fp8["vs_native"] == 0.0, fp8
+    assert fp8["lora_changed"] > 1e-3 and fp8["lora_vs_native"] == 0.0, fp8  # a LoRA on an fp8 file
+    assert fp8["lora_fixed_vs_native"] == 0.0, fp8  # and on its fixed part (kept wider than fp8 by the pack)
