@@ -92,8 +92,8 @@ sigma = torch.tensor([0.6])
 
 
 def run(patcher):
-    mm.load_models_gpu([patcher])
-    with torch.no_grad():
+    with torch.no_grad():  # as ComfyUI's executor loads and runs (comfy-kitchen's fp8 rounding needs it)
+        mm.load_models_gpu([patcher])
         return patcher.model.apply_model(x, sigma, c_crossattn=ctx, num_tokens=7).float()
 
 
