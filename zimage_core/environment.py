@@ -53,18 +53,23 @@ class Environment:
 
 def read() -> Environment:
     """Both settings; a SettingError names every one that is malformed."""
-    problems = problems_now()
+    values, problems = _read_all()
     if problems:
         raise SettingError(" ".join(problems))
-    return Environment(pinned_cap(), compression())
+    return Environment(*values)
 
 
 def problems_now() -> list:
     """One message per malformed setting (empty when all are usable)."""
-    out = []
+    return _read_all()[1]
+
+
+def _read_all() -> tuple:
+    """([pinned cap, compression], [messages of the malformed ones]): each variable parsed once."""
+    values, problems = [], []
     for reader in (pinned_cap, compression):
         try:
-            reader()
+            values.append(reader())
         except SettingError as e:
-            out.append(str(e))
-    return out
+            problems.append(str(e))
+    return values, problems

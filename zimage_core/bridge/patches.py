@@ -56,16 +56,18 @@ def apply(patcher, t):
             base = t.base_weight(name)
             value = base
             if key in wanted:
-                temp = base.to(device=t.device, dtype=mm.lora_compute_dtype(t.device), copy=True)
+                on_device = base.to(t.device)  # uploaded once: patched from it, compared with it
+                temp = on_device.to(dtype=mm.lora_compute_dtype(t.device), copy=True)
                 out = comfy.lora.calculate_weight(patcher.patches[key], temp, key)
                 # rounded to the dtype ComfyUI's own model holds the weight in: the file's, where the
                 # pack keeps a fixed-part tensor of an fp8 file wider
-                held = t.ckpt.dtype(name) if t.ckpt.dtype(name).itemsize == 1 else base.dtype
+                stored = t.ckpt.dtype(name)
+                held = stored if stored.itemsize == 1 else base.dtype
                 value = comfy.float.stochastic_rounding(out, held, seed=string_to_seed(key)).to(base.dtype)
                 # fp8 has no isfinite; its rounding clamps to the finite range, so ``out`` says it all
                 if not (bool(torch.isfinite(out).all()) and (value.element_size() == 1 or bool(torch.isfinite(value).all()))):
                     raise PatchError(_blame(patcher.patches[key], name))
-                unchanged += torch.equal(value.view(torch.uint8), base.to(value.device).view(torch.uint8))
+                unchanged += torch.equal(value.view(torch.uint8), on_device.view(torch.uint8))
             t.set_weight(name, value)
             written.add(key)
     except BaseException:
