@@ -81,12 +81,14 @@ def test_the_same_images_on_every_card(full_size_base_dir):
     prompt's image the same when it comes again at the end of its server's session."""
     by_card = {}
     for card in CARDS:
+        start = time.monotonic()
         with simulated_card(card, full_size_base_dir):
             client = start_server(full_size_base_dir, server_flags(), cpu=False, log_name=f"comfyui-card-{card}.log")
             try:
                 by_card[card] = run_session(client, session(1024, (1344, 768), 8, {}, f"card{card}"))
             finally:
                 stop_server(client)
+        print(f"card {card}: {len(by_card[card])} images in {time.monotonic() - start:.0f} s: {by_card[card]}", flush=True)
     print(f"\nComfyUI {comfyui_version()} on the GPU, pixel hashes by card (GiB free):\n{table(by_card)}")
     assert not differences(by_card), differences(by_card)
 

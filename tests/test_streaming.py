@@ -432,3 +432,36 @@ def test_compressed_masters_stream_the_same_bits_at_every_split(tiny_file, monke
         m.release()
         plain.release()
     assert host_memory.live_bytes() == before
+
+
+def test_a_patch_of_a_layer_without_a_master_on_a_compressing_streamer_restores_every_bit(tiny_file):
+    """A resident layer has no host master; a patch gives it one. Where the streamer compresses,
+    that master must still be a plain one: the patch writes its values into it, and a compressed
+    master written as if it were plain decodes into other weights (the layer's other matrices too)
+    once the layer streams again. Patched, restored and streamed at every split: the plain model's
+    outputs, bit for bit."""
+    x, t, ctx = inputs(TINY)
+    plain = ZImageTransformer.load(tiny_file, device="cpu", dtype="bf16")
+    m = ZImageTransformer.load(tiny_file, device="cpu", dtype="bf16", settings=Settings(compress="on"))
+    try:
+        for model in (plain, m):
+            model.prepare(64, 48, resident_layers=2)
+        ref = plain(x, t, ctx)
+        assert torch.equal(m(x, t, ctx), ref)
+        s = m.streamer
+        layer = s.order[0]  # resident: no master yet
+        assert s.host[layer] is None and any(c is not None for c in s.codes)
+        key = f"{m.cfg.block_names()[layer]}.feed_forward.w2.weight"
+        for model in (plain, m):
+            model.set_weight(key, model.base_weight(key) * 1.5)
+        assert s.codes[layer] is None and s.host[layer].dtype == torch.bfloat16
+        patched = plain(x, t, ctx)
+        assert not torch.equal(patched, ref) and torch.equal(m(x, t, ctx), patched)
+        for model in (plain, m):
+            model.set_weight(key, model.base_weight(key))
+        for resident in (2, 0, TINY.n_blocks, 1):
+            m.prepare(64, 48, resident_layers=resident)
+            assert torch.equal(m(x, t, ctx), ref), resident
+    finally:
+        m.release()
+        plain.release()

@@ -106,6 +106,8 @@ class PackLayout:
         return self.wrap(**{name: self.region(flat, name) for name in self.shapes})
 
     def region(self, flat, name):
+        # a compressed master's bytes are codes: a copy into its "region" would cast values into them
+        assert flat.dtype == self.dtype, f"{name}: a {flat.dtype} buffer is not a packed {self.dtype} layer"
         shape = self.shapes[name]
         o = self.offsets[name]
         return flat[o:o + math.prod(shape)].view(shape)
@@ -237,11 +239,11 @@ class LayerStreamer:
         """Host bytes of one master (a compressed one is sized for the most exceptions it may hold)."""
         return compression.bound(self.layout.numel) if self.compress else self.layout.nbytes
 
-    def _make_master(self, i, dst=None) -> bool:
+    def _make_master(self, i, dst=None, plain=False) -> bool:
         """Pack layer i into a master from the pool, if it has room: compressed where the streamer
         compresses and the layer's weights allow it (then ``dst``, where given, holds the layer
-        too: it was encoded from there), else plain."""
-        if self.compress:
+        too: it was encoded from there), else (or with ``plain``) plain."""
+        if self.compress and not plain:
             buf, codes = self._encode(i, dst)
             if buf is None:
                 return False
@@ -332,10 +334,11 @@ class LayerStreamer:
 
     def ensure_host(self, i):
         """A plain packed host master for layer i even past the budget (then pageable memory): a
-        patched layer cannot be re-read from its source."""
+        patched layer cannot be re-read from its source, and a patch writes into it (never a
+        compressed one, where the streamer compresses: its bytes are codes)."""
         if self.codes[i] is not None:
             self._plain(i)
-        if self.host[i] is None and not self._make_master(i):
+        if self.host[i] is None and not self._make_master(i, plain=True):
             buf = torch.empty(self.layout.numel, dtype=self.layout.dtype)
             self.layout.fill(buf, self.sources[i])
             self.host[i] = buf
