@@ -465,3 +465,56 @@ def test_a_patch_of_a_layer_without_a_master_on_a_compressing_streamer_restores_
     finally:
         m.release()
         plain.release()
+
+
+class _Scale:
+    """A weight patch for ``LayerStreamer.set_patch``: ``matrix`` of ``layers`` times ``factor``."""
+
+    def __init__(self, layers, matrix, factor):
+        self.layers, self.matrix, self.factor = set(layers), matrix, factor
+        self.verified = 0
+
+    def apply(self, i, views):
+        getattr(views, self.matrix).mul_(self.factor)
+
+    def verify(self):
+        self.verified += 1
+
+
+@pytest.mark.parametrize("compress", ["off", "on"])
+def test_a_patch_set_on_the_streamer_reaches_every_split_and_leaves_the_masters_alone(tiny_file, compress):
+    """``set_patch``: a patch reaches resident and streamed layers alike (the same output as the same
+    values written with ``set_weight``) at every split, writes no host master, and once removed
+    (or replaced) every layer is its own again, bit for bit."""
+    x, t, ctx = inputs(TINY)
+    ref_model = ZImageTransformer.load(tiny_file, device="cpu", dtype="bf16")
+    m = ZImageTransformer.load(tiny_file, device="cpu", dtype="bf16", settings=Settings(compress=compress))
+    try:
+        ref_model.prepare(64, 48, resident_layers=TINY.n_blocks)
+        m.prepare(64, 48, resident_layers=2)
+        base = m(x, t, ctx)
+        s = m.streamer
+        layers = [s.order[0], s.order[-1]]  # one resident, one streamed
+        names = [f"{m.cfg.block_names()[i]}.feed_forward.w1.weight" for i in layers]
+        for key in names:
+            ref_model.set_weight(key, ref_model.base_weight(key) * 2)
+        patched = ref_model(x, t, ctx)
+        masters = [None if h is None else h.clone() for h in s.host]
+        patch = _Scale(layers, "w1", 2)
+        s.set_patch(patch)
+        for resident in (2, 0, TINY.n_blocks, 1, 2):
+            m.prepare(64, 48, resident_layers=resident)
+            assert torch.equal(m(x, t, ctx), patched), resident
+            assert torch.equal(m(x, t, ctx), patched), resident  # a resident layer is patched once
+        assert patch.verified == 10
+        assert all((a is None and b is None) or torch.equal(a, b) for a, b in zip(masters, s.host[:len(masters)])
+                   if a is not None)
+        s.set_patch(_Scale(layers[:1], "w1", 1))  # another set: the first one's values are gone
+        assert torch.equal(m(x, t, ctx), base)
+        s.set_patch(None)
+        for resident in (2, 0, TINY.n_blocks):
+            m.prepare(64, 48, resident_layers=resident)
+            assert torch.equal(m(x, t, ctx), base), resident
+    finally:
+        m.release()
+        ref_model.release()

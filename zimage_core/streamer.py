@@ -23,6 +23,11 @@ of the same shape and alignment whichever buffer it lives in: the kernels, and t
 bits, do not depend on the split or on where a layer came from. On the CPU the same code runs
 with plain tensors and synchronous copies.
 
+Weight patches (a LoRA: ``set_patch``) are applied on the device, to the layer's buffer just
+before it runs: into a slot after every upload, into a resident buffer once. Host masters and
+sources are never written for a patch; a patched resident layer is restored by uploading it
+again from its master or source when the patch goes.
+
 Why spread: the copy engine can only run ahead of the compute by as many layers as there are
 slots. Resident layers in one block (with the refiners before them) are a stretch of compute
 during which the slots fill up and the copy engine idles; spread out, each resident layer is a
@@ -228,6 +233,8 @@ class LayerStreamer:
         self._unchecked = set(range(self.n_layers)) if check_finite else set()
         self._checks = []                      # (layer, {name: 0-d bool on the device}) of this forward
         self._upload_hooks = collections.OrderedDict()  # what ``register_upload_hook`` added (a handle needs a weakref)
+        self.patch = None                      # the weight patches applied on the device (``set_patch``)
+        self._patched = set()                  # resident layers whose buffer holds ``patch``'s values
         self.uploads = UploadThread(self.device, self.copy_stream)  # every upload runs there, in queue order
         self._slot_job = {}                    # slot -> the upload into it that the next layer there waits for
         self._promoting = {}                   # layer -> (its upload, event after it), until the layer runs
@@ -480,6 +487,7 @@ class LayerStreamer:
         for i in [i for i in self.resident if i not in keep]:
             del self.resident[i]
             self._promoting.pop(i, None)
+            self._patched.discard(i)
         del self.slots[n_slots:]
         del self._ready[n_slots:], self._free[n_slots:]
         if not n_slots:
@@ -527,6 +535,8 @@ class LayerStreamer:
         self._promoting.clear()
         self.synchronize()
         self.resident.clear()
+        self._patched.clear()
+        self.patch = None
         self.slots.clear()
         self._ready.clear(), self._free.clear()
         self.drop_queued()
@@ -600,6 +610,8 @@ class LayerStreamer:
                 self.end(i, next_forward)
             if blocks and blocks[-1] == self.n_layers - 1:
                 self._verify()
+                if self.patch is not None:
+                    self.patch.verify()
         except BaseException:
             self.drop_queued()  # stopped mid-forward: the next one starts from its first layer
             self._checks.clear()
@@ -607,9 +619,25 @@ class LayerStreamer:
         return x
 
     def recheck(self, i):
-        """Layer i's weights changed (a patch): check them again when they next run."""
+        """Layer i's weights changed (``set_weight``): check them again when they next run."""
         if self.check_finite:
             self._unchecked.add(i)
+
+    def set_patch(self, patch):
+        """Weight patches for the next forwards, or None. ``patch.layers``: the layers it changes;
+        ``patch.apply(i, views)`` writes layer i's patched matrices into ``views`` (its buffer, on
+        the device) in place, with kernels queued on the current stream; ``patch.verify()`` runs
+        at the end of each forward (it reads what it checked, and may raise). The resident layers
+        the previous patch wrote are uploaded again from their masters or sources (the first
+        forward waits for each where it begins), so that every layer starts from its own values."""
+        self.synchronize()
+        for i in self._patched:
+            if not self.cuda and self.host[i] is not None and self.codes[i] is None:
+                self.resident[i] = self.host[i]  # the CPU's resident layer is its master again
+            else:
+                self._promoting[i] = self._promote(i, self.resident[i])
+        self._patched.clear()
+        self.patch = patch
 
     def _verify(self):
         """Read the checks this forward queued (one wait for the device, once per layer ever)."""
@@ -636,9 +664,16 @@ class LayerStreamer:
                 self._prefetch(i, s)
             self._await(self._slot_job.pop(s), self._ready[s] if self.cuda else None)
             views = self.layout.views(self.slots[s])
-        if i in self._unchecked:
+        if i in self._unchecked:  # the layer's own values (a patch checks its results itself)
             named = views._asdict() if isinstance(views, tuple) else views
             self._checks.append((i, {name: all_finite(v) for name, v in named.items()}))
+        if self.patch is not None and i in self.patch.layers and i not in self._patched:
+            if i in self.resident:
+                if self.resident[i] is self.host[i]:  # on the CPU the master is the layer: patch a copy
+                    self.resident[i] = self.host[i].clone()
+                    views = self.layout.views(self.resident[i])
+                self._patched.add(i)
+            self.patch.apply(i, views)
         return views
 
     def _await(self, job, ready):

@@ -3,7 +3,7 @@ imports only torch, so it runs and is tested without ComfyUI). The nodes call wh
 nothing else of the core.
 
     model.py         the pack's MODEL: ZImageModel (Lumina2 over the streamed transformer), ZImagePatcher
-    patches.py       weight patches (LoRA) computed as ComfyUI does, checked, counted, written into the layers
+    patches.py       weight patches (LoRA) computed as ComfyUI does, on the device as each layer arrives; checked, counted
     prompt.py        the node ComfyUI is running and the model files upstream of it, for errors that name them
     pinned.py        another model's patcher while the pack runs it (asks for little, unloads for free)
     text_encoder.py  the prompt's encode, the text encoder's layers streamed

@@ -1,10 +1,20 @@
-"""Weight patches (LoRA and the like) on the streamed transformer: computed once per patch set
-exactly as ComfyUI's ModelPatcher computes them (the device's LoRA compute dtype, stochastic
-rounding seeded by the key), checked and counted, and written where each weight lives (host
-master, resident copy), so that streamed layers carry them too. A patch that makes a weight NaN or
-infinite is named with the LoRA file it came from; the model file is not blamed for it."""
+"""Weight patches (LoRA and the like) on the streamed transformer, computed exactly as ComfyUI's
+ModelPatcher computes them (``calculate_weight`` in the device's LoRA compute dtype, then the
+rounding ComfyUI applies, seeded by the key).
+
+The streamed layers' matrices are patched on the device as each layer arrives: after its upload
+into a slot, or once in its resident buffer (``LayerStreamer.set_patch``), from the patches' tensors
+held on the device. No host master, compressed master or file-backed layer is written or copied
+for a patch, so a new LoRA costs no pass over the model and removing it costs the re-upload of the
+resident layers it changed. The few fixed-part weights a LoRA may touch (embedders, adaLN) are
+patched once where they live. The first forward checks every patched weight (finite, changed)
+and reads the checks back once: a patch that makes a weight NaN or infinite is named with the
+LoRA file it came from (the model file is not blamed), and the console counts the weights it
+changed.
+"""
 from __future__ import annotations
 
+import copy
 import logging
 import weakref
 
@@ -44,11 +54,47 @@ def remember_sources(patches: dict, added):
 
 
 def apply(patcher, t):
-    """Bring ``patcher``'s weight patches into transformer ``t`` (once per patch set); keys patched
-    by a previous set and not by this one are restored from the file."""
+    """Bring ``patcher``'s weight patches into transformer ``t`` (once per patch set): the streamed
+    layers' through ``LayerStreamer.set_patch``, the fixed part's written in place (keys a previous
+    set patched there and this one does not are restored from the file)."""
     if t.patches_uuid == patcher.patches_uuid:
         return
     wanted = {k for k in patcher.patches if k.startswith(PREFIX)}
+    layered = {k for k in wanted if t._big_slot(k[len(PREFIX):]) is not None}
+    fixed_unchanged = _apply_fixed(patcher, t, wanted - layered)
+    layers = LayerPatches(t, patcher.patches, layered, len(wanted - layered) - fixed_unchanged, fixed_unchanged) \
+        if layered else None
+    t.streamer.set_patch(layers)
+    t.patches_uuid = patcher.patches_uuid
+    if wanted and layers is None:
+        _say_count(len(wanted) - fixed_unchanged, fixed_unchanged)
+
+
+def _say_count(changed, unchanged):
+    log.info("Z-Image: %d weight%s patched%s", changed, "" if changed == 1 else "s",
+             f"; {unchanged} left unchanged (strength 0, or patches ComfyUI refused: see its messages above)"
+             if unchanged else "")
+
+
+def _held_dtype(t, name, dtype):
+    """The dtype a patched weight is rounded to: the one ComfyUI's own model holds it in (the file's,
+    where the pack keeps a tensor of an fp8 file wider), else ``dtype``, the pack's."""
+    stored = t.ckpt.dtype(name)
+    return stored if stored.itemsize == 1 else dtype
+
+
+def _patched(entries, weight, key, held):
+    """ComfyUI's patched value of ``weight`` (on the device): the patched value before rounding
+    (fp8 has no isfinite; its rounding clamps to the finite range, so this one says it all) and
+    after, in ``weight``'s dtype."""
+    temp = weight.to(dtype=mm.lora_compute_dtype(weight.device), copy=True)
+    out = comfy.lora.calculate_weight(entries, temp, key)
+    return out, comfy.float.stochastic_rounding(out, held, seed=string_to_seed(key)).to(weight.dtype)
+
+
+def _apply_fixed(patcher, t, wanted) -> int:
+    """The fixed-part weights of ``wanted``, patched where they live (restoring those a previous
+    set patched and this one does not). Returns how many came out unchanged."""
     written, unchanged = set(), 0
     try:
         for key in sorted(wanted | t.patched_keys):
@@ -57,14 +103,7 @@ def apply(patcher, t):
             value = base
             if key in wanted:
                 on_device = base.to(t.device)  # uploaded once: patched from it, compared with it
-                temp = on_device.to(dtype=mm.lora_compute_dtype(t.device), copy=True)
-                out = comfy.lora.calculate_weight(patcher.patches[key], temp, key)
-                # rounded to the dtype ComfyUI's own model holds the weight in: the file's, where the
-                # pack keeps a fixed-part tensor of an fp8 file wider
-                stored = t.ckpt.dtype(name)
-                held = stored if stored.itemsize == 1 else base.dtype
-                value = comfy.float.stochastic_rounding(out, held, seed=string_to_seed(key)).to(base.dtype)
-                # fp8 has no isfinite; its rounding clamps to the finite range, so ``out`` says it all
+                out, value = _patched(patcher.patches[key], on_device, key, _held_dtype(t, name, base.dtype))
                 if not (bool(torch.isfinite(out).all()) and (value.element_size() == 1 or bool(torch.isfinite(value).all()))):
                     raise PatchError(_blame(patcher.patches[key], name))
                 unchanged += torch.equal(value.view(torch.uint8), on_device.view(torch.uint8))
@@ -74,12 +113,79 @@ def apply(patcher, t):
         # what was written stays recorded (the next patch set restores it); this set is not applied
         t.patched_keys, t.patches_uuid = t.patched_keys | written, None
         raise
-    t.patched_keys, t.patches_uuid = wanted, patcher.patches_uuid
-    if wanted:
-        n = len(wanted) - unchanged
-        log.info("Z-Image: %d weight%s patched%s", n, "" if n == 1 else "s",
-                 f"; {unchanged} left unchanged (strength 0, or patches ComfyUI refused: see its messages above)"
-                 if unchanged else "")
+    t.patched_keys = wanted
+    return unchanged
+
+
+# a patch tensor at most this large is held on the device; a larger one (a model merge's full-size
+# difference) stays where ComfyUI keeps it and crosses at each use, as in ComfyUI's own low-VRAM path
+DEVICE_PATCH_BYTES = 64 << 20
+
+
+def _on_device(data, device):
+    """A patch's data with its (small) tensors on ``device``: a LoRA adapter's weights, an older
+    tuple's, nested lists; anything else as it is."""
+    if isinstance(data, torch.Tensor):
+        return data.to(device) if data.nbytes <= DEVICE_PATCH_BYTES else data
+    if type(data) in (tuple, list):
+        return type(data)(_on_device(v, device) for v in data)
+    if isinstance(getattr(data, "weights", None), tuple):  # a weight adapter (comfy.weight_adapter)
+        moved = copy.copy(data)
+        moved.weights = _on_device(data.weights, device)
+        return moved
+    return data
+
+
+class LayerPatches:
+    """One patch set's streamed-layer patches, for ``LayerStreamer.set_patch``: for each layer, its
+    patched matrices' (name, key, patches on the device, rounding dtype). The first forward checks
+    each result on the device; ``verify`` reads the checks once, names a LoRA that made a weight NaN,
+    drops the patches that changed nothing and says the count."""
+
+    def __init__(self, t, patches: dict, keys, fixed_changed: int, fixed_unchanged: int):
+        self.t = t
+        self.sources = {k: patches[k] for k in keys}  # ComfyUI's own entries: what ``_blame`` reads
+        self.by_layer = {}
+        for key in sorted(keys):
+            name = key[len(PREFIX):]
+            layer, matrix = t._big_slot(name)
+            entries = [(strength, _on_device(data, t.device), *rest) for strength, data, *rest in patches[key]]
+            self.by_layer.setdefault(layer, []).append((matrix, key, entries, _held_dtype(t, name, t.storage_dtype)))
+        self.layers = set(self.by_layer)
+        self._unchecked = set(keys)   # keys whose first result has not been read back yet
+        self._checks = {}             # key -> (finite, changed): 0-d bools on the device
+        self._fixed = (fixed_changed, fixed_unchanged)
+        self._changed = 0
+
+    def apply(self, i, views):
+        for matrix, key, entries, held in self.by_layer[i]:
+            weight = getattr(views, matrix)
+            out, value = _patched(entries, weight, key, held)
+            if key in self._unchecked:
+                finite = torch.isfinite(out).all()
+                if value.element_size() > 1:
+                    finite &= torch.isfinite(value).all()
+                self._checks[key] = (finite, (value.view(torch.uint8) != weight.view(torch.uint8)).any())
+            weight.copy_(value)
+
+    def verify(self):
+        if not self._checks:
+            return
+        checks, self._checks = self._checks, {}
+        flags = torch.stack([torch.stack(pair) for pair in checks.values()]).cpu().tolist()
+        for key, (finite, changed) in zip(checks, flags):
+            self._unchecked.discard(key)
+            if not finite:
+                self.t.patches_uuid = None  # the next prompt applies its patches anew (and restores the layers)
+                raise PatchError(_blame(self.sources[key], key[len(PREFIX):]))
+            self._changed += changed
+            if not changed:  # strength 0, or refused by ComfyUI: nothing to compute at the next upload
+                layer = self.t._big_slot(key[len(PREFIX):])[0]
+                self.by_layer[layer] = [e for e in self.by_layer[layer] if e[1] != key]
+        self.layers = {i for i, entries in self.by_layer.items() if entries}
+        if not self._unchecked:
+            changed, unchanged = self._fixed
+            _say_count(self._changed + changed, len(self.sources) - self._changed + unchanged)
 
 
 def _tensors(data):
