@@ -166,5 +166,63 @@ results["fp8"]["lora_changed"] = rel(out8_lora, out8)
 sd1_8b = comfy.sd.load_lora_for_models(f8, None, sd1, 0.8, 0)[0]
 n8_lorab = comfy.sd.load_lora_for_models(n8, None, sd1, 0.8, 0)[0]
 results["fp8"]["lora_fixed_vs_native"] = rel(run(sd1_8b), run(n8_lorab))
+
+
+
+def kind_sd(kind, key):
+    """A patch of ``kind`` for transformer ``key`` in the layout ComfyUI's LoRA loader reads."""
+    out_dim, in_dim = shapes[key]
+    name = "lora_unet_" + key[:-len(".weight")].replace(".", "_")
+
+    def rn(*shape, scale=0.05):
+        return torch.randn(*shape, generator=g) * scale
+    parts = {
+        "loha": {"hada_w1_a": rn(out_dim, R, scale=0.4), "hada_w1_b": rn(R, in_dim, scale=0.4),
+                 "hada_w2_a": rn(out_dim, R, scale=0.4), "hada_w2_b": rn(R, in_dim, scale=0.4), "alpha": torch.tensor(2.0)},
+        "lokr": {"lokr_w1": rn(2, 2, scale=0.5), "lokr_w2": rn(out_dim // 2, in_dim // 2)},
+        "glora": {"a1.weight": rn(in_dim, R), "a2.weight": rn(R, in_dim), "b1.weight": rn(out_dim, R),
+                  "b2.weight": rn(R, in_dim), "alpha": torch.tensor(2.0)},
+        "diff": {"diff": rn(out_dim, in_dim, scale=0.01)},
+        "set": {"set_weight": rn(out_dim, in_dim)},
+    }[kind]
+    return {f"{name}.{k}": v for k, v in parts.items()}
+
+
+# every patch kind ComfyUI's loaders make, on a resident and a streamed layer's matrix and a refiner's
+# (max_resident 0: all streamed), strength 1 and 0, and each removed again
+kind_keys = [f"layers.0.feed_forward.w1.weight", f"layers.{cfg.n_layers - 1}.attention.out.weight",
+             "noise_refiner.0.feed_forward.w2.weight"]
+settings = pack.zimage.settings
+for kind in ("loha", "lokr", "glora", "diff", "set"):
+    sd = {k: v for key in kind_keys for k, v in kind_sd(kind, key).items()}
+    not_loaded.clear()
+    p = comfy.sd.load_lora_for_models(pack, None, sd, 0.7, 0)[0]
+    n = comfy.sd.load_lora_for_models(native, None, sd, 0.7, 0)[0]
+    out, ref = run(p), run(n)
+    pack.zimage.settings = dataclasses.replace(settings, max_resident=0)
+    streamed = run(p)
+    pack.zimage.settings = settings
+    zero = run(comfy.sd.load_lora_for_models(pack, None, sd, 0.0, 0)[0])
+    zero_native = run(comfy.sd.load_lora_for_models(native, None, sd, 0.0, 0)[0])
+    results[kind] = {"not_loaded": list(not_loaded), "vs_native": rel(out, ref), "changed": rel(out, base_out),
+                     "streamed_equal": bool(torch.equal(streamed, out)), "strength_0_equal": bool(torch.equal(zero, base_out)),
+                     "strength_0_vs_native": rel(zero, zero_native),
+                     "removed_equal": bool(torch.equal(run(pack), base_out))}
+
+
+def anon_rss():
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("RssAnon")) * 1024
+
+
+# ten switches between two LoRAs (and none): no host copy per LoRA, so nothing grows
+sd_a, sd_b = lora_comfy(layers)[0], lora_comfy(layers)[0]
+run(comfy.sd.load_lora_for_models(pack, None, sd_a, 1.0, 0)[0])
+run(pack)
+before = anon_rss()
+for i in range(10):
+    run(comfy.sd.load_lora_for_models(pack, None, sd_a if i % 2 else sd_b, 1.0, 0)[0])
+results["switches_rss_growth"] = anon_rss() - before
+results["switches_removed_equal"] = bool(torch.equal(run(pack), base_out))
 with open(out_path, "w") as f:
     json.dump(results, f)
