@@ -38,6 +38,7 @@ LORAS = {
     # one key that fits, one whose matrices do not (ComfyUI refuses it at the patch)
     "lora_one_bad.safetensors": {**_lora_keys("layers.0.attention.out", DIM, DIM),
                                  **_lora_keys("layers.0.feed_forward.w1", 100, DIM)},
+    "lora_other_model.safetensors": _lora_keys("input_blocks.0.0", 320, 4),  # an SD1.5 UNet's key
     "lora_all_bad.safetensors": {**_lora_keys("layers.0.feed_forward.w1", 100, DIM),
                                  **_lora_keys("layers.0.feed_forward.w2", 100, FFN),
                                  **_lora_keys("layers.0.feed_forward.w3", 100, DIM)},
@@ -101,6 +102,13 @@ def test_the_console_counts_the_weights_a_lora_changed(server, lora, line):
           + " | ".join(s.strip() for s in log.splitlines() if "Z-Image:" in s and "patched" in s))
     assert line in log, log[-4000:]
     assert "string_to_seed has moved" not in log
+
+
+def test_a_lora_for_another_model_is_said_once(server):
+    log, _ = _console(server, lora_workflow("lora_other_model.safetensors", prefix="lora_other"))
+    said = [s for s in log.splitlines() if "changes none of this model's weights" in s]
+    print(f"\nComfyUI {comfyui_version()}: " + " | ".join(s.strip() for s in said))
+    assert len(said) == 1 and "lora_other_model.safetensors (LoraLoaderModelOnly, node 100)" in said[0], log[-4000:]
 
 
 def test_a_prompt_longer_than_trained_on_is_said(server):

@@ -42,8 +42,12 @@ _sources = weakref.WeakKeyDictionary()
 
 def remember_sources(patches: dict, added):
     """From a patcher's ``add_patches``: the running node (a LoRA loader) and its file are where
-    these patches came from."""
+    these patches came from; a LoRA that matched nothing is said once."""
     files = files_of_running_node()
+    if not added and files:
+        # ComfyUI lists each key it could not place; one line says what that means
+        log.warning("Z-Image: %s changes none of this model's weights (a LoRA for another model, or for "
+                    "the text encoder alone): the transformer runs without it.", " or ".join(files))
     if not files:
         return
     for k in added:
