@@ -7,8 +7,13 @@ simulated cards and (optionally) a simulated smaller host RAM. Standard library 
         [--card full --card 7.5] [--ram-gib 28] [--images 4] [--size 1024] [--steps 8] \\
         [--pipelines pack,official] [--dynamic on|off] [--env ZIMAGE_PINNED_GIB=8] [--json out.json]
 
+    python tools/server_bench.py ... --session --loras A.safetensors,B.safetensors --unet2 FP8_FILE
+
 --weights DIR holds z_image_turbo_bf16.safetensors (or --unet NAME), qwen_3_4b.safetensors and
-ae.safetensors. Per card, per pipeline: read the weight files once (every server starts with them
+ae.safetensors (and with --session the two LoRAs and the second checkpoint). --session makes the
+images of an evening instead of --images alike (SESSION: LoRAs on, off, switched, stacked and at
+another strength, a second size, the stock-nodes workflow, the second checkpoint and back) and
+reports each pipeline's total for the whole run beside the warm and first image. Per card, per pipeline: read the weight files once (every server starts with them
 in the page cache as far as the RAM holds them, not with what the server before it left there),
 start the ballasts, start `main.py` on a free port with a temporary base directory (this
 repository linked into custom_nodes/, the weights linked into models/), post --images prompts (a
@@ -215,24 +220,26 @@ def set_inputs(wf, class_types, **values):
             n["inputs"][name] = value
 
 
-def pack_workflow(a, prompt):
+def pack_workflow(a, prompt, unet=None, width=None, height=None):
     with open(os.path.join(ROOT, "workflows", "api", "z_image_turbo.json")) as f:
         wf = json.load(f)
-    set_inputs(wf, ("ZImageModelLoader",), unet_name=a.unet)
+    set_inputs(wf, ("ZImageModelLoader",), unet_name=unet or a.unet)
     set_inputs(wf, ("ZImageTextEncode",), text=prompt)
-    set_inputs(wf, ("ZImageSampler",), width=a.size, height=a.size, batch_size=a.batch, seed=a.seed, steps=a.steps)
+    set_inputs(wf, ("ZImageSampler",), width=width or a.size, height=height or a.size, batch_size=a.batch,
+               seed=a.seed, steps=a.steps)
     return wf
 
 
-def official_workflow(a, prompt):
+def official_workflow(a, prompt, unet=None, width=None, height=None):
     """ComfyUI's official Z-Image-Turbo template, in API format."""
+    width, height = width or a.size, height or a.size
     return {
-        "1": {"class_type": "UNETLoader", "inputs": {"unet_name": a.unet, "weight_dtype": "default"}},
+        "1": {"class_type": "UNETLoader", "inputs": {"unet_name": unet or a.unet, "weight_dtype": "default"}},
         "2": {"class_type": "CLIPLoader", "inputs": {"clip_name": TE, "type": "lumina2", "device": "default"}},
         "3": {"class_type": "VAELoader", "inputs": {"vae_name": VAE}},
         "4": {"class_type": "CLIPTextEncode", "inputs": {"clip": ["2", 0], "text": prompt}},
         "5": {"class_type": "ConditioningZeroOut", "inputs": {"conditioning": ["4", 0]}},
-        "6": {"class_type": "EmptySD3LatentImage", "inputs": {"width": a.size, "height": a.size, "batch_size": a.batch}},
+        "6": {"class_type": "EmptySD3LatentImage", "inputs": {"width": width, "height": height, "batch_size": a.batch}},
         "7": {"class_type": "ModelSamplingAuraFlow", "inputs": {"model": ["1", 0], "shift": 3.0}},
         "8": {"class_type": "KSampler", "inputs": {
             "model": ["7", 0], "seed": a.seed, "steps": a.steps, "cfg": 1.0, "sampler_name": "res_multistep",
@@ -243,17 +250,82 @@ def official_workflow(a, prompt):
     }
 
 
+# --session: the images of an evening, in order (a new prompt each): LoRAs on, off, switched, stacked
+# and at another strength, a second size, the stock-nodes workflow, a second checkpoint and back.
+# loras: [(index into --loras, strength)]; unet 2: --unet2
+SESSION = [dict(label=label, loras=loras, wide=wide, stock=stock, unet=unet)
+           for label, loras, wide, stock, unet in [
+               ("first image", [], False, False, 1), ("warm", [], False, False, 1), ("warm", [], False, False, 1),
+               ("first with LoRA A", [(0, 1.0)], False, False, 1), ("LoRA A", [(0, 1.0)], False, False, 1),
+               ("LoRA A at 0.5", [(0, 0.5)], False, False, 1), ("switch to LoRA B", [(1, 1.0)], False, False, 1),
+               ("LoRA B", [(1, 1.0)], False, False, 1), ("A and B stacked", [(0, 0.5), (1, 0.5)], False, False, 1),
+               ("no LoRA again", [], False, False, 1), ("other size", [], True, False, 1),
+               ("other size", [], True, False, 1), ("other size, LoRA A", [(0, 1.0)], True, False, 1),
+               ("stock nodes", [], False, True, 1), ("stock nodes, LoRA A", [(0, 1.0)], False, True, 1),
+               ("second checkpoint", [], False, False, 2), ("second checkpoint", [], False, False, 2),
+               ("second checkpoint, LoRA A", [(0, 1.0)], False, False, 2), ("first checkpoint again", [], False, False, 1),
+               ("LoRA B", [(1, 1.0)], False, False, 1), ("no LoRA", [], False, False, 1), ("no LoRA", [], False, False, 1)]]
+
+
+def with_loras(wf, loras, names):
+    """Stock LoraLoaderModelOnly nodes, one per LoRA, between the model loader and what it fed."""
+    loader = next(k for k, n in wf.items() if n["class_type"] in ("ZImageModelLoader", "UNETLoader"))
+    users = [(n, name) for n in wf.values() for name, v in n["inputs"].items() if v == [loader, 0]]
+    model = [loader, 0]
+    for j, (index, strength) in enumerate(loras):
+        node = f"lora{j}"
+        wf[node] = {"class_type": "LoraLoaderModelOnly",
+                    "inputs": {"model": model, "lora_name": names[index], "strength_model": strength}}
+        model = [node, 0]
+    for n, name in users:
+        n["inputs"][name] = model
+    return wf
+
+
+def stock_nodes(wf):
+    """The pack's workflow with stock ModelSamplingAuraFlow, KSampler and VAEDecode after its loader and
+    encode (workflows/z_image_turbo_stock_nodes.json)."""
+    by = {n["class_type"]: k for k, n in wf.items()}
+    sampler = wf.pop(by["ZImageSampler"])["inputs"]
+    decode = wf.pop(by["ZImageDecode"])["inputs"]
+    wf["msa"] = {"class_type": "ModelSamplingAuraFlow", "inputs": {"model": sampler["model"], "shift": 3.0}}
+    wf["zero"] = {"class_type": "ConditioningZeroOut", "inputs": {"conditioning": sampler["positive"]}}
+    wf["latent"] = {"class_type": "EmptySD3LatentImage",
+                    "inputs": {k: sampler[k] for k in ("width", "height", "batch_size")}}
+    wf["ks"] = {"class_type": "KSampler", "inputs": {
+        "model": ["msa", 0], "seed": sampler["seed"], "steps": sampler["steps"], "cfg": 1.0,
+        "sampler_name": "res_multistep", "scheduler": "simple", "positive": sampler["positive"],
+        "negative": ["zero", 0], "latent_image": ["latent", 0], "denoise": 1.0}}
+    wf["vd"] = {"class_type": "VAEDecode", "inputs": {"samples": ["ks", 0], "vae": decode["vae"]}}
+    wf[by["SaveImage"]]["inputs"]["images"] = ["vd", 0]
+    return wf
+
+
+def session_workflow(a, pipeline, step, prompt):
+    """One image of ``SESSION`` for ``pipeline`` (the official template is stock nodes already)."""
+    width, height = a.wide if step["wide"] else (a.size, a.size)
+    unet = a.unet2 if step["unet"] == 2 else a.unet
+    build = pack_workflow if pipeline == "pack" else official_workflow
+    wf = build(a, prompt, unet=unet, width=width, height=height)
+    if step["stock"] and pipeline == "pack":
+        wf = stock_nodes(wf)
+    return with_loras(wf, step["loras"], a.loras)
+
+
 def make_base(a):
     """A ComfyUI base directory: this repository as a custom node, the weights linked into models/."""
-    files = {"diffusion_models": a.unet, "text_encoders": TE, "vae": VAE}
-    for name in files.values():
+    files = [("diffusion_models", a.unet), ("text_encoders", TE), ("vae", VAE)]
+    if a.session:
+        files += [("diffusion_models", a.unet2)] + [("loras", name) for name in a.loras]
+    for _, name in files:
         if not os.path.isfile(os.path.join(a.weights, name)):
             raise SystemExit(f"missing weight file {os.path.join(os.path.abspath(a.weights), name)}")
     base = tempfile.mkdtemp(prefix="zimage_server_bench_")
-    for sub in ("custom_nodes", "user", "input", "output", "temp", "frontend", "logs", *("models/" + f for f in files)):
+    for sub in ("custom_nodes", "user", "input", "output", "temp", "frontend", "logs",
+                *dict.fromkeys("models/" + f for f, _ in files)):
         os.makedirs(os.path.join(base, sub))
     os.symlink(ROOT, os.path.join(base, "custom_nodes", PACK), target_is_directory=True)
-    for folder, name in files.items():
+    for folder, name in files:
         os.symlink(os.path.join(os.path.abspath(a.weights), name), os.path.join(base, "models", folder, name))
     return base
 
@@ -291,7 +363,7 @@ def one_server(a, base, pipeline, card, tag):
     log = os.path.join(logs, f"{tag}-{pipeline}-card{card}.log")
     procs, server = [], None
     try:
-        read_through(os.path.join(a.weights, name) for name in (a.unet, TE, VAE))
+        read_through(os.path.join(a.weights, name) for name in (a.unet, TE, VAE, *([a.unet2] if a.session else [])))
         # the GPU ballast first: its CUDA context takes host RAM that the RAM ballast then accounts for
         if card != "full":
             procs.append(start_ballast(a, "ballast.py", card, f"{log}.gpu.ready", f"{log}.ballast"))
@@ -315,14 +387,16 @@ def one_server(a, base, pipeline, card, tag):
         rec = dict(pipeline=pipeline, card=card, ram_available_gib=round(avail, 2), log=log, server_cmd=cmd,
                    env=a.env if pipeline == "pack" else [], images=[])
         build = pack_workflow if pipeline == "pack" else official_workflow
-        for i in range(a.images):
+        steps = SESSION if a.session else [None] * a.images
+        for i, step in enumerate(steps):
             prompt = PROMPTS[i % len(PROMPTS)] + (f", variation {i // len(PROMPTS)}" if i >= len(PROMPTS) else "")
-            sec = server.run(build(a, prompt), a.timeout)
+            wf = session_workflow(a, pipeline, step, prompt) if step else build(a, prompt)
+            sec = server.run(wf, a.timeout)
             anon, file = rss_gib(server.proc.pid)
-            row = dict(image=i + 1, seconds=round(sec, 3), rss_anon_gib=round(anon, 2), rss_file_gib=round(file, 2),
-                       **server.new_log())
+            row = dict(image=i + 1, label=step["label"] if step else "", seconds=round(sec, 3),
+                       rss_anon_gib=round(anon, 2), rss_file_gib=round(file, 2), **server.new_log())
             rec["images"].append(row)
-            print(f"{pipeline:8} card {card:>5} image {i + 1}: {sec:7.2f} s  RSS {anon:5.1f} + {file:5.1f} GiB  "
+            print(f"{pipeline:8} card {card:>5} image {i + 1}{' ' + row['label'] if row['label'] else ''}: {sec:7.2f} s  RSS {anon:5.1f} + {file:5.1f} GiB  "
                   f"pins {row['pin_calls']} ({row['pinned_gib']:.1f} GiB)  loads: Z-Image {row['zimage_loads']}, "
                   f"ComfyUI {row['comfy_requested']} requested"
                   + "".join(f"  {k[:-2]} {row[k]:.2f} s" for k in PHASES if k in row)
@@ -337,14 +411,14 @@ def one_server(a, base, pipeline, card, tag):
 def summarize(rec):
     im = rec["images"]
     warm = im[1:]
-    return dict(first_s=im[0]["seconds"], warm_median_s=statistics.median(r["seconds"] for r in warm) if warm else None,
+    return dict(first_s=im[0]["seconds"], total_s=round(sum(r["seconds"] for r in im), 2), warm_median_s=statistics.median(r["seconds"] for r in warm) if warm else None,
                 max_rss_anon_gib=max(r["rss_anon_gib"] for r in im), max_rss_file_gib=max(r["rss_file_gib"] for r in im),
                 rss_anon_first_warm_gib=warm[0]["rss_anon_gib"] if warm else None,
                 rss_anon_last_warm_gib=warm[-1]["rss_anon_gib"] if warm else None,
                 pin_calls_after_first=sum(r["pin_calls"] for r in warm),
                 zimage_loads_after_first=sum(r["zimage_loads"] for r in warm),
                 comfy_requested_after_first=sum(r["comfy_requested"] for r in warm),
-                totals={k: sum(r[k] for r in im) for k in im[0] if k not in ("image", "seconds") and "rss" not in k})
+                totals={k: sum(r[k] for r in im) for k in im[0] if k not in ("image", "label", "seconds") and "rss" not in k})
 
 
 def report(runs):
@@ -363,8 +437,9 @@ def report(runs):
         if "pack" in by and "official" in by:
             div = lambda k: (round(by["official"][k] / by["pack"][k], 3)
                              if by["official"][k] and by["pack"][k] else None)
-            ratios[card] = dict(warm=div("warm_median_s"), first=div("first_s"))
-            print(f"card {card}: official / pack = {f(ratios[card]['warm'], 5)} warm, {f(ratios[card]['first'], 5)} first")
+            ratios[card] = dict(warm=div("warm_median_s"), first=div("first_s"), total=div("total_s"))
+            print(f"card {card}: official / pack = {f(ratios[card]['warm'], 5)} warm, {f(ratios[card]['first'], 5)} first, "
+                  f"{f(ratios[card]['total'], 5)} the whole run ({by['official']['total_s']:.1f} / {by['pack']['total_s']:.1f} s)")
     return ratios
 
 
@@ -380,6 +455,11 @@ def main(argv=None):
     ap.add_argument("--machine-gib", type=float, help="nominal RAM of the simulated machine (for --cache-ram)")
     ap.add_argument("--cache-ram", help='ComfyUI --cache-ram values, e.g. "3.2 32" (32 GB) or "2 16" (16 GB)')
     ap.add_argument("--images", type=int, default=4)
+    ap.add_argument("--session", action="store_true",
+                    help=f"instead of --images alike, the {len(SESSION)} images of an evening (SESSION): needs --loras and --unet2")
+    ap.add_argument("--loras", help="--session: two LoRA files in --weights, comma separated (A,B)")
+    ap.add_argument("--unet2", help="--session: the second checkpoint in --weights (e.g. the fp8 file)")
+    ap.add_argument("--wide", default="1344x768", help="--session: the other size, WxH")
     ap.add_argument("--size", type=int, default=1024, help="width = height, a multiple of 16")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--batch", type=int, default=1)
@@ -407,6 +487,15 @@ def main(argv=None):
         raise SystemExit("--pipelines takes pack and/or official; --env takes K=V")
     if a.images < 1:
         raise SystemExit("--images takes 1 or more")
+    if a.session:
+        a.loras = [n.strip() for n in (a.loras or "").split(",") if n.strip()]
+        if len(a.loras) != 2 or not a.unet2:
+            raise SystemExit("--session needs --loras A,B (two LoRA files in --weights) and --unet2 (a second checkpoint)")
+        try:
+            a.wide = tuple(int(v) for v in a.wide.lower().split("x"))
+            assert len(a.wide) == 2 and all(v > 0 and v % 16 == 0 for v in a.wide)
+        except (ValueError, AssertionError):
+            raise SystemExit(f"--wide takes WxH in multiples of 16 (e.g. 1344x768), not {a.wide!r}") from None
     if (a.ram_gib or a.machine_gib) and not a.cache_ram:
         t = a.machine_gib or next(n for n in (16, 32, 64, 128, 256, 512, 1024, 2**20) if n >= a.ram_gib)
         a.cache_ram = f"{min(10.0, max(2.0, t / 10)):g} {min(t, 96.0):g}"  # ComfyUI's own defaults for T GB
