@@ -168,7 +168,6 @@ n8_lorab = comfy.sd.load_lora_for_models(n8, None, sd1, 0.8, 0)[0]
 results["fp8"]["lora_fixed_vs_native"] = rel(run(sd1_8b), run(n8_lorab))
 
 
-
 def kind_sd(kind, key):
     """A patch of ``kind`` for transformer ``key`` in the layout ComfyUI's LoRA loader reads."""
     out_dim, in_dim = shapes[key]
@@ -190,7 +189,7 @@ def kind_sd(kind, key):
 
 # every patch kind ComfyUI's loaders make, on a resident and a streamed layer's matrix and a refiner's
 # (max_resident 0: all streamed), strength 1 and 0, and each removed again
-kind_keys = [f"layers.0.feed_forward.w1.weight", f"layers.{cfg.n_layers - 1}.attention.out.weight",
+kind_keys = ["layers.0.feed_forward.w1.weight", f"layers.{cfg.n_layers - 1}.attention.out.weight",
              "noise_refiner.0.feed_forward.w2.weight"]
 settings = pack.zimage.settings
 for kind in ("loha", "lokr", "glora", "diff", "set"):

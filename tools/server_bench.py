@@ -312,11 +312,17 @@ def session_workflow(a, pipeline, step, prompt):
     return with_loras(wf, step["loras"], a.loras)
 
 
-def make_base(a):
-    """A ComfyUI base directory: this repository as a custom node, the weights linked into models/."""
+def weight_files(a) -> list:
+    """[(models/ folder, file in --weights)] of every weight file the run uses."""
     files = [("diffusion_models", a.unet), ("text_encoders", TE), ("vae", VAE)]
     if a.session:
         files += [("diffusion_models", a.unet2)] + [("loras", name) for name in a.loras]
+    return files
+
+
+def make_base(a):
+    """A ComfyUI base directory: this repository as a custom node, the weights linked into models/."""
+    files = weight_files(a)
     for _, name in files:
         if not os.path.isfile(os.path.join(a.weights, name)):
             raise SystemExit(f"missing weight file {os.path.join(os.path.abspath(a.weights), name)}")
@@ -363,7 +369,7 @@ def one_server(a, base, pipeline, card, tag):
     log = os.path.join(logs, f"{tag}-{pipeline}-card{card}.log")
     procs, server = [], None
     try:
-        read_through(os.path.join(a.weights, name) for name in (a.unet, TE, VAE, *([a.unet2] if a.session else [])))
+        read_through(os.path.join(a.weights, name) for _, name in weight_files(a))
         # the GPU ballast first: its CUDA context takes host RAM that the RAM ballast then accounts for
         if card != "full":
             procs.append(start_ballast(a, "ballast.py", card, f"{log}.gpu.ready", f"{log}.ballast"))

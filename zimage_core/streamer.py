@@ -500,15 +500,19 @@ class LayerStreamer:
             if self.cuda:
                 self._ready.append(torch.cuda.Event())
                 self._free.append(torch.cuda.Event())
-        promote = sorted(keep - self.resident.keys())
-        for i in promote:
-            if not self.cuda and self.host[i] is not None and self.codes[i] is None:
-                self.resident[i] = self.host[i]  # on the CPU the host master is the layer: no second copy
-                continue
-            self._read_ahead(i)
-            buf = self._empty()
-            self.resident[i] = buf
-            self._promoting[i] = self._promote(i, buf)
+        for i in sorted(keep - self.resident.keys()):
+            self._make_resident(i)
+
+    def _make_resident(self, i, buf=None):
+        """Layer i resident with its own values: on the CPU a plain host master is the layer (no
+        second copy); else ``buf`` (default: a new device buffer), filled by a queued upload."""
+        if not self.cuda and self.host[i] is not None and self.codes[i] is None:
+            self.resident[i] = self.host[i]
+            return
+        self._read_ahead(i)
+        buf = self._empty() if buf is None else buf
+        self.resident[i] = buf
+        self._promoting[i] = self._promote(i, buf)
 
     def _promote(self, i, buf):
         """Queue layer i's upload into its resident buffer (no host copy: it stays in its source);
@@ -632,10 +636,7 @@ class LayerStreamer:
         forward waits for each where it begins), so that every layer starts from its own values."""
         self.synchronize()
         for i in self._patched:
-            if not self.cuda and self.host[i] is not None and self.codes[i] is None:
-                self.resident[i] = self.host[i]  # the CPU's resident layer is its master again
-            else:
-                self._promoting[i] = self._promote(i, self.resident[i])
+            self._make_resident(i, self.resident[i])
         self._patched.clear()
         self.patch = patch
 

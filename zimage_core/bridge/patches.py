@@ -87,13 +87,22 @@ def _held_dtype(t, name, dtype):
     return stored if stored.itemsize == 1 else dtype
 
 
-def _patched(entries, weight, key, held):
+def _patched(entries, weight, key, held, seed):
     """ComfyUI's patched value of ``weight`` (on the device): the patched value before rounding
-    (fp8 has no isfinite; its rounding clamps to the finite range, so this one says it all) and
-    after, in ``weight``'s dtype."""
+    and after, in ``weight``'s dtype. ``seed``: ``string_to_seed(key)`` (a bit loop in Python,
+    computed once per key, not at every upload)."""
     temp = weight.to(dtype=mm.lora_compute_dtype(weight.device), copy=True)
     out = comfy.lora.calculate_weight(entries, temp, key)
-    return out, comfy.float.stochastic_rounding(out, held, seed=string_to_seed(key)).to(weight.dtype)
+    return out, comfy.float.stochastic_rounding(out, held, seed=seed).to(weight.dtype)
+
+
+def _checks(out, value, weight) -> tuple:
+    """(finite, changed): 0-d bools on the device for a patched ``value`` of ``weight`` (``out``: before
+    rounding; fp8 has no isfinite, and its rounding clamps to the finite range, so ``out`` says it all)."""
+    finite = torch.isfinite(out).all()
+    if value.element_size() > 1:
+        finite &= torch.isfinite(value).all()
+    return finite, (value.view(torch.uint8) != weight.view(torch.uint8)).any()
 
 
 def _apply_fixed(patcher, t, wanted) -> int:
@@ -107,10 +116,12 @@ def _apply_fixed(patcher, t, wanted) -> int:
             value = base
             if key in wanted:
                 on_device = base.to(t.device)  # uploaded once: patched from it, compared with it
-                out, value = _patched(patcher.patches[key], on_device, key, _held_dtype(t, name, base.dtype))
-                if not (bool(torch.isfinite(out).all()) and (value.element_size() == 1 or bool(torch.isfinite(value).all()))):
+                out, value = _patched(patcher.patches[key], on_device, key, _held_dtype(t, name, base.dtype),
+                                      string_to_seed(key))
+                finite, changed = _checks(out, value, on_device)
+                if not bool(finite):
                     raise PatchError(_blame(patcher.patches[key], name))
-                unchanged += torch.equal(value.view(torch.uint8), on_device.view(torch.uint8))
+                unchanged += not bool(changed)
             t.set_weight(name, value)
             written.add(key)
     except BaseException:
@@ -142,7 +153,7 @@ def _on_device(data, device):
 
 class LayerPatches:
     """One patch set's streamed-layer patches, for ``LayerStreamer.set_patch``: for each layer, its
-    patched matrices' (name, key, patches on the device, rounding dtype). The first forward checks
+    patched matrices' (name, key, patches on the device, rounding dtype, rounding seed). The first forward checks
     each result on the device; ``verify`` reads the checks once, names a LoRA that made a weight NaN,
     drops the patches that changed nothing and says the count."""
 
@@ -154,7 +165,8 @@ class LayerPatches:
             name = key[len(PREFIX):]
             layer, matrix = t._big_slot(name)
             entries = [(strength, _on_device(data, t.device), *rest) for strength, data, *rest in patches[key]]
-            self.by_layer.setdefault(layer, []).append((matrix, key, entries, _held_dtype(t, name, t.storage_dtype)))
+            self.by_layer.setdefault(layer, []).append(
+                (matrix, key, entries, _held_dtype(t, name, t.storage_dtype), string_to_seed(key)))
         self.layers = set(self.by_layer)
         self._unchecked = set(keys)   # keys whose first result has not been read back yet
         self._checks = {}             # key -> (finite, changed): 0-d bools on the device
@@ -162,14 +174,11 @@ class LayerPatches:
         self._changed = 0
 
     def apply(self, i, views):
-        for matrix, key, entries, held in self.by_layer[i]:
+        for matrix, key, entries, held, seed in self.by_layer[i]:
             weight = getattr(views, matrix)
-            out, value = _patched(entries, weight, key, held)
+            out, value = _patched(entries, weight, key, held, seed)
             if key in self._unchecked:
-                finite = torch.isfinite(out).all()
-                if value.element_size() > 1:
-                    finite &= torch.isfinite(value).all()
-                self._checks[key] = (finite, (value.view(torch.uint8) != weight.view(torch.uint8)).any())
+                self._checks[key] = _checks(out, value, weight)
             weight.copy_(value)
 
     def verify(self):
