@@ -137,6 +137,18 @@ def put_nan(path, key):
         f.write(b"\xc0\x7f")
 
 
+def sparse_twin(src, dst):
+    """A file with ``src``'s safetensors header and zeros for every tensor, written as a hole (it
+    takes no disk): for the tests that damage a model file. Full copies took 3.4 GB, more than a CI
+    machine's disk may have free."""
+    with open(src, "rb") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        head = f.read(n)
+    with open(dst, "wb") as f:
+        f.write(struct.pack("<Q", n) + head)
+    os.truncate(dst, os.path.getsize(src))
+
+
 def make_base_dir(base, te_layers=TE_LAYERS, full_transformer=False):
     """custom_nodes/<pack> -> repository root; models/{diffusion_models,text_encoders,vae,loras}; user,
     input, output."""

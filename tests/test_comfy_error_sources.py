@@ -5,14 +5,13 @@ malformed ZIMAGE_* setting is said at start-up and refused at each prompt's firs
 a prompt longer than Z-Image was trained on is said (the core tests check that it is planned for).
 """
 import os
-import shutil
 
 import pytest
 import torch
 from safetensors.torch import save_file
 
 from comfy_env import comfyui_version, needs_comfyui
-from comfy_server import TE, UNET, make_base_dir, put_nan, start_server, stop_server
+from comfy_server import TE, UNET, make_base_dir, put_nan, sparse_twin, start_server, stop_server
 from test_comfy_server import failing_run, lora_workflow, node_of, pack_run, pack_workflow  # noqa: F401 (pack_run: a fixture)
 
 pytestmark = needs_comfyui
@@ -53,7 +52,7 @@ def server(comfy_server, comfy_base_dir):
     for name, sd in LORAS.items():
         save_file(sd, os.path.join(loras, name))
     te = os.path.join(comfy_base_dir, "models", "text_encoders")
-    shutil.copyfile(os.path.join(te, TE), os.path.join(te, TE_NAN))
+    sparse_twin(os.path.join(te, TE), os.path.join(te, TE_NAN))
     put_nan(os.path.join(te, TE_NAN), "model.layers.0.input_layernorm.weight")
     yield comfy_server
     os.remove(os.path.join(te, TE_NAN))

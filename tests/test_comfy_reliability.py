@@ -5,28 +5,27 @@ in time), the server lives, and the next good prompt makes its image. (A loaded 
 file changed under it is tests/test_checkpoint.py's: here the loader sees the change first.)
 """
 import os
-import shutil
 import time
 
 import pytest
 
 from comfy_env import comfyui_version, needs_comfyui
-from comfy_server import UNET, put_nan
+from comfy_server import UNET, put_nan, sparse_twin
 from test_comfy_server import failing_run, messages, node_of, pack_workflow
 
 pytestmark = needs_comfyui
 
-LIVE = "z_image_live.safetensors"      # a copy the tests truncate and restore
-NAN = "z_image_nan.safetensors"        # a copy with one NaN in a main layer's FFN
+LIVE = "z_image_live.safetensors"      # a twin (zero weights) the tests truncate and restore
+NAN = "z_image_nan.safetensors"        # a twin with one NaN in a main layer's FFN
 NAN_KEY = "layers.0.feed_forward.w2.weight"
 
 
 @pytest.fixture(scope="module")
 def server(comfy_server, comfy_base_dir):
-    """The session's server, with a copy of the model to truncate and one with a NaN."""
+    """The session's server, with a twin of the model to truncate and one with a NaN."""
     folder = os.path.join(comfy_base_dir, "models", "diffusion_models")
     for name in (LIVE, NAN):
-        shutil.copyfile(os.path.join(folder, UNET), os.path.join(folder, name))
+        sparse_twin(os.path.join(folder, UNET), os.path.join(folder, name))
     put_nan(os.path.join(folder, NAN), NAN_KEY)
     yield comfy_server, folder
     for name in (LIVE, NAN):
@@ -57,7 +56,7 @@ def test_model_file_truncated_in_place_while_loaded(server):
     assert LIVE in msg and ("changed on disk" in msg or "truncated" in msg), msg
     assert "again" in msg, msg  # what to do
     _works(client, prefix="after_cut")  # another model, same server
-    shutil.copyfile(os.path.join(folder, UNET), live)  # the download finished
+    sparse_twin(os.path.join(folder, UNET), live)  # the download finished
     _works(client, unet=LIVE, prefix="live_restored", seed=44)
 
 
