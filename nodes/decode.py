@@ -1,8 +1,9 @@
 from comfy_api.latest import io
 
-from ..zimage_core import bridge
+from ..bridge import ui
+from ..bridge.vae import decode
 from .checks import finite_latent
-from .status import aliases, node_id, show
+from .status import aliases, node_id
 
 
 class ZImageDecode(io.ComfyNode):
@@ -27,4 +28,4 @@ class ZImageDecode(io.ComfyNode):
         if latent.ndim == 5:
             latent = latent[:, :, 0]
         finite_latent(latent, "The latent to decode holds NaN or infinity: the image would be black")
-        return io.NodeOutput(bridge.decode(vae, latent, on_tiled=lambda text: show(node_id(cls), text)))
+        return io.NodeOutput(decode(vae, latent, on_tiled=lambda text: ui.show(node_id(cls), text)))

@@ -1,7 +1,8 @@
 from comfy_api.latest import io
 
-from ..zimage_core import bridge
-from .status import aliases, node_id, show
+from ..bridge import ui
+from ..bridge.text_encoder import encode
+from .status import aliases, node_id
 
 
 class ZImageTextEncode(io.ComfyNode):
@@ -31,5 +32,5 @@ class ZImageTextEncode(io.ComfyNode):
         if clip is None:
             raise RuntimeError("Z-Image Text Encode got no text encoder: connect a CLIPLoader with "
                                "qwen_3_4b.safetensors and type lumina2.")
-        show(node_id(cls), "Z-Image: encoding the prompt")
-        return io.NodeOutput(bridge.encode(clip, text))
+        ui.show(node_id(cls), "Z-Image: encoding the prompt")
+        return io.NodeOutput(encode(clip, text))

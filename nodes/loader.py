@@ -1,11 +1,11 @@
-import os
-
-import folder_paths
 from comfy_api.latest import io
 
-from ..zimage_core import bridge, environment
+from ..bridge import ui
+from ..bridge.model import describe, load_model
+from ..zimage_core import environment
+from ..zimage_core.transformer import STORAGE_DTYPES, Settings
 from .checks import number
-from .status import aliases, node_id, show
+from .status import aliases, node_id
 
 VRAM_MODES = ["auto", "max_resident_layers", "leave_free_gb"]
 DEFAULT_RESIDENT, DEFAULT_LEAVE_FREE = 30, 0.0
@@ -26,10 +26,10 @@ class ZImageModelLoader(io.ComfyNode):
                         "the others stream from pinned host memory, and other models get GPU memory by "
                         "evicting layers.",
             inputs=[
-                io.Combo.Input("unet_name", options=folder_paths.get_filename_list("diffusion_models"),
+                io.Combo.Input("unet_name", options=ui.model_files(),
                                tooltip="The Z-Image-Turbo transformer in models/diffusion_models, e.g. "
                                        "z_image_turbo_bf16.safetensors (or the fp8 export for less RAM)."),
-                io.Combo.Input("weight_dtype", options=["default", *bridge.STORAGE_DTYPES],
+                io.Combo.Input("weight_dtype", options=["default", *STORAGE_DTYPES],
                                default="default",
                                tooltip="How the layers are kept and streamed. default: as stored (fp8 stays fp8, "
                                        "the rest in the compute dtype). fp16 can overflow into black images: "
@@ -55,25 +55,21 @@ class ZImageModelLoader(io.ComfyNode):
     def fingerprint_inputs(cls, unet_name, **_):
         """The file's size and modification time: a file changed on disk (a finished re-download)
         is loaded again instead of a cached model reading a file that is no longer its own."""
-        try:
-            st = os.stat(folder_paths.get_full_path_or_raise("diffusion_models", unet_name))
-        except Exception:  # a missing file: execute says so
-            return None
-        return f"{st.st_size}:{st.st_mtime_ns}"
+        return ui.fingerprint(unet_name)
 
     @classmethod
     def execute(cls, unet_name, weight_dtype, vram, resident_layers, leave_free_gb):
         number("leave_free_gb", leave_free_gb, 0.0, MAX_LEAVE_FREE, "GiB of GPU memory to leave free; 0 leaves none")
-        path = folder_paths.get_full_path_or_raise("diffusion_models", unet_name)
+        path = ui.model_path(unet_name)
         env = environment.read()  # a malformed ZIMAGE_* setting stops the prompt here, its first node
-        settings = bridge.Settings(max_resident=resident_layers if vram == "max_resident_layers" else None,
+        settings = Settings(max_resident=resident_layers if vram == "max_resident_layers" else None,
                                    leave_free=int((leave_free_gb if vram == "leave_free_gb" else 0.0) * (1 << 30)),
                                    compress=env.compression)
-        model = bridge.load_model(path, weight_dtype=weight_dtype, settings=settings)
-        text = bridge.describe(model, unet_name)
+        model = load_model(path, weight_dtype=weight_dtype, settings=settings)
+        text = describe(model, unet_name)
         for name, value, default, mode in (("resident_layers", resident_layers, DEFAULT_RESIDENT, "max_resident_layers"),
                                            ("leave_free_gb", leave_free_gb, DEFAULT_LEAVE_FREE, "leave_free_gb")):
             if vram != mode and value != default:  # set but not used: say so rather than ignore it silently
                 text += f"; {name} {value} is not used with vram {vram} (only with vram {mode})"
-        show(node_id(cls), text)
+        ui.show(node_id(cls), text)
         return io.NodeOutput(model)

@@ -1,17 +1,18 @@
 from comfy_api.latest import io
 
-from ..zimage_core import bridge
+from ..bridge import ui
+from ..bridge.sampler import SAMPLERS, SCHEDULERS, sample
+from ..zimage_core.image_size import MAX_SIDE, ImageSize, is_side, nearest_side
 from .checks import finite_latent, number
-from .status import aliases, node_id, show
+from .status import aliases, node_id
 
-MAX_SIDE = 4096
 MAX_CFG = MAX_SHIFT = 100.0
 
 
 def check_side(name, value):
-    if value % 16 or not 16 <= value <= MAX_SIDE:
+    if not is_side(value):
         raise ValueError(f"{name} is {value}: Z-Image needs a multiple of 16 between 16 and {MAX_SIDE} "
-                         f"(the VAE downscales by 8 and the transformer patches by 2). Try {max(16, value // 16 * 16)}.")
+                         f"(the VAE downscales by 8 and the transformer patches by 2). Try {nearest_side(value)}.")
 
 
 class ZImageSampler(io.ComfyNode):
@@ -46,9 +47,9 @@ class ZImageSampler(io.ComfyNode):
                 io.Float.Input("shift", default=3.0, min=0.0, max=MAX_SHIFT, step=0.01,
                                tooltip="Timestep shift of the schedule (ModelSamplingAuraFlow's shift). "
                                        "Z-Image-Turbo uses 3; higher spends more steps on coarse structure."),
-                io.Combo.Input("sampler_name", options=bridge.SAMPLERS, default="res_multistep",
+                io.Combo.Input("sampler_name", options=SAMPLERS, default="res_multistep",
                                tooltip="The sampling method; res_multistep is what Z-Image-Turbo's template uses."),
-                io.Combo.Input("scheduler", options=bridge.SCHEDULERS, default="simple",
+                io.Combo.Input("scheduler", options=SCHEDULERS, default="simple",
                                tooltip="How the noise levels are spaced over the steps; Z-Image-Turbo uses simple."),
             ],
             outputs=[io.Latent.Output()],
@@ -64,7 +65,7 @@ class ZImageSampler(io.ComfyNode):
         number("cfg", cfg, 0.0, MAX_CFG, "Z-Image-Turbo uses 1")
         number("shift", shift, 0.0, MAX_SHIFT, "Z-Image-Turbo uses 3")
         node = node_id(cls)
-        samples = bridge.sample(model, positive, negative, width, height, batch_size, seed, steps, cfg, shift,
-                                sampler_name, scheduler, on_status=lambda text: show(node, text))
+        samples = sample(model, positive, negative, ImageSize(width, height, batch_size), seed, steps, cfg, shift,
+                         sampler_name, scheduler, on_status=lambda text: ui.show(node, text))
         finite_latent(samples, "The image came out non-finite (NaN or infinity) after sampling")
         return io.NodeOutput({"samples": samples})

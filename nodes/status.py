@@ -1,21 +1,10 @@
-"""What a node shows the user: the one-line status while it works (console and node), and the
-words the node library's search finds it by."""
+"""Who a node is to ComfyUI's schema API: the running node's id, and the words the node library's
+search finds it by."""
 import dataclasses
-import logging
 
 from comfy_api.latest import io
 
-log = logging.getLogger("zimage")
 COMMON_ALIASES = ("zimage", "z image", "z-image turbo", "streaming", "low vram")
-
-
-def show(node_id, text):
-    log.info(text)
-    try:
-        from server import PromptServer
-        PromptServer.instance.send_progress_text(text, node_id)
-    except (ImportError, AttributeError):  # no server (ComfyUI used as a library)
-        pass
 
 
 def node_id(cls):

@@ -3,7 +3,6 @@
     python comfy_lora_check.py COMFYUI_PATH WEIGHTS FP8_WEIGHTS OUT.json
 Writes the measurements the test asserts on.
 """
-import dataclasses
 import json
 import logging
 import sys
@@ -20,9 +19,9 @@ import comfy.sd  # noqa: E402
 import comfy.supported_models  # noqa: E402
 import comfy.utils  # noqa: E402
 
-from zimage_core.bridge import model as zc  # noqa: E402
-from zimage_core.checkpoint import Checkpoint  # noqa: E402
-from zimage_core.transformer import ZImageTransformer  # noqa: E402
+from zimage_pack.bridge import model as zc  # noqa: E402
+from zimage_pack.zimage_core.checkpoint import Checkpoint  # noqa: E402
+from zimage_pack.zimage_core.transformer import Settings, ZImageTransformer  # noqa: E402
 
 not_loaded = []
 
@@ -102,6 +101,7 @@ def rel(a, b):
 
 
 pack = zc.load_model(weights)
+every_layer_streamed = zc.load_model(weights, settings=Settings(max_resident=0))
 native = native_model()
 results = {"dtype": str(pack.model_dtype())}
 base_out = run(pack)
@@ -116,8 +116,7 @@ variants = {
     "diffusers": lora_diffusers(0, "diffusion_model."),
     "trainer": lora_diffusers(cfg.n_layers - 1, "transformer."),
 }
-reference = ZImageTransformer.load(weights, device="cpu", dtype="fp32")
-reference.model.set_attention(zc.comfy_attention)
+reference = ZImageTransformer.load(weights, device="cpu", dtype="fp32", attention=zc.comfy_attention)
 for name, (sd, merged) in variants.items():
     not_loaded.clear()
     strength = 0.8
@@ -126,16 +125,13 @@ for name, (sd, merged) in variants.items():
     out = run(p)
     r = {"not_loaded": list(not_loaded), "vs_native": rel(out, run(n)), "changed": rel(out, base_out)}
     for k, delta in merged.items():  # base + merged weights, computed here
-        reference.set_weight(k, reference.base_weight(k) + strength * delta)
+        reference.weights.set(k, reference.weights.base(k) + strength * delta)
     reference.prepare(80, 64, resident_layers=cfg.n_blocks)
     ref_out = reference(x, sigma, ctx, 7).float()
     r["vs_merged"] = rel(out, x - ref_out * sigma)  # apply_model returns the denoised latent
     for k in merged:
-        reference.set_weight(k, reference.base_weight(k))
-    settings = p.zimage.settings
-    p.zimage.settings = dataclasses.replace(settings, max_resident=0)  # the same LoRA with every layer streamed
-    streamed = run(p)
-    p.zimage.settings = settings
+        reference.weights.set(k, reference.weights.base(k))
+    streamed = run(comfy.sd.load_lora_for_models(every_layer_streamed, None, sd, strength, 0)[0])
     r["streamed_equal"] = bool(torch.equal(streamed, out))
     results[name] = r
 
@@ -151,8 +147,7 @@ f8 = zc.load_model(fp8_weights)
 t8 = f8.zimage
 n8 = native_model(fp8_weights, torch.float8_e4m3fn, t8.dtype)
 out8 = run(f8)
-t8.settings = dataclasses.replace(t8.settings, max_resident=0)
-streamed8 = run(f8)
+streamed8 = run(zc.load_model(fp8_weights, settings=Settings(max_resident=0)))
 results["fp8"] = {"storage": str(t8.storage_dtype), "compute": str(t8.dtype), "vs_native": rel(out8, run(n8)),
                   "streamed_equal": bool(torch.equal(streamed8, out8)),
                   "layer_bytes_ratio": pack.zimage.streamer.layout.nbytes / t8.streamer.layout.nbytes}
@@ -191,16 +186,13 @@ def kind_sd(kind, key):
 # (max_resident 0: all streamed), strength 1 and 0, and each removed again
 kind_keys = ["layers.0.feed_forward.w1.weight", f"layers.{cfg.n_layers - 1}.attention.out.weight",
              "noise_refiner.0.feed_forward.w2.weight"]
-settings = pack.zimage.settings
 for kind in ("loha", "lokr", "glora", "diff", "set"):
     sd = {k: v for key in kind_keys for k, v in kind_sd(kind, key).items()}
     not_loaded.clear()
     p = comfy.sd.load_lora_for_models(pack, None, sd, 0.7, 0)[0]
     n = comfy.sd.load_lora_for_models(native, None, sd, 0.7, 0)[0]
     out, ref = run(p), run(n)
-    pack.zimage.settings = dataclasses.replace(settings, max_resident=0)
-    streamed = run(p)
-    pack.zimage.settings = settings
+    streamed = run(comfy.sd.load_lora_for_models(every_layer_streamed, None, sd, 0.7, 0)[0])
     zero = run(comfy.sd.load_lora_for_models(pack, None, sd, 0.0, 0)[0])
     zero_native = run(comfy.sd.load_lora_for_models(native, None, sd, 0.0, 0)[0])
     results[kind] = {"not_loaded": list(not_loaded), "vs_native": rel(out, ref), "changed": rel(out, base_out),

@@ -15,8 +15,8 @@ comfy_process.start(comfy_path)
 import torch  # noqa: E402
 import comfy.sd  # noqa: E402
 
-from zimage_core import bridge as zc  # noqa: E402
-from zimage_core import host_memory  # noqa: E402
+from zimage_pack.bridge import text_encoder as zc  # noqa: E402
+from zimage_pack.zimage_core import host_memory  # noqa: E402
 
 messages = []
 

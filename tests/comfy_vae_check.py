@@ -13,16 +13,14 @@ import comfy_process
 
 comfy_path, weights, out_path = sys.argv[1:4]
 comfy_process.start(comfy_path)
-sys.path.insert(0, comfy_path)  # ComfyUI's ``nodes`` module before the pack's ``nodes`` package
 import torch  # noqa: E402
 import comfy.model_management as mm  # noqa: E402
 import comfy.sd  # noqa: E402
 import comfy.utils  # noqa: E402
 import nodes  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(comfy_process.PACK_ROOT))
-pack = importlib.import_module(os.path.basename(comfy_process.PACK_ROOT) + ".nodes")
-zc = sys.modules[os.path.basename(comfy_process.PACK_ROOT) + ".zimage_core.bridge"]
+pack = importlib.import_module("zimage_pack.nodes")
+zc = importlib.import_module("zimage_pack.bridge.vae")
 
 vae = comfy.sd.VAE(sd=comfy.utils.load_torch_file(os.path.join(weights, "ae.safetensors")))
 own = {k: v.data_ptr() for k, v in vae.first_stage_model.state_dict().items()}

@@ -147,9 +147,9 @@ def test_interrupt_while_packing_masters_leaves_nothing(tmp_path, tiny_file, mon
     """Masters are packed during the first forward (on the upload thread); an interrupt there leaves no half-filled master
     and nothing counted, the next forward is right, and releasing gives everything back."""
     from conftest import inputs
-    from zimage_core import streamer
+    from zimage_core import layout as layout_module
     calls = {"n": 0}
-    real = streamer.PackLayout.fill
+    real = layout_module.PackLayout.fill
 
     def fill(self, flat, pieces):
         calls["n"] += 1
@@ -165,13 +165,13 @@ def test_interrupt_while_packing_masters_leaves_nothing(tmp_path, tiny_file, mon
     before = host_memory.live_bytes()
     t = ZImageTransformer.load(tiny_file, device="cpu", dtype="fp32")
     t.prepare(64, 48, resident_layers=0)
-    monkeypatch.setattr(streamer.PackLayout, "fill", fill)
+    monkeypatch.setattr(layout_module.PackLayout, "fill", fill)
     with pytest.raises(KeyboardInterrupt):
         t(x, ts, ctx)
-    monkeypatch.setattr(streamer.PackLayout, "fill", real)
+    monkeypatch.setattr(layout_module.PackLayout, "fill", real)
     # the interrupted layer (the fourth) has no master; uploads queued behind it may have made theirs
-    packed = t.streamer.master_layers
-    assert t.streamer.host[3] is None and packed >= 3
+    packed = t.streamer.masters.master_layers
+    assert t.streamer.masters.host[3] is None and packed >= 3
     assert host_memory.live_bytes() - before == t.fixed_bytes + packed * t.streamer.layout.nbytes
     assert torch.equal(t(x, ts, ctx), ref)
     t.release()
@@ -284,9 +284,9 @@ def test_a_file_that_changes_while_a_master_is_encoded_leaves_no_master(tmp_path
         f.truncate(os.path.getsize(p) // 2)
     with pytest.raises(CheckpointError, match="changed on disk after it was loaded"):
         t(x, ts, ctx)
-    assert all(c is not None for h, c in zip(s.host, s.codes) if h is not None)
-    assert s.pool.used == fixed + sum(h.numel() for h in s.host if h is not None) + sum(
-        b.numel() * b.element_size() for b, _ in s._staging)
+    assert all(c is not None for h, c in zip(s.masters.host, s.masters.codes) if h is not None)
+    assert s.pool.used == fixed + sum(h.numel() for h in s.masters.host if h is not None) + sum(
+        b.numel() * b.element_size() for b, _ in s.masters._staging)
     t.release()
     assert host_memory.live_bytes() == before
 

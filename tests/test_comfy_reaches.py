@@ -1,9 +1,9 @@
-"""Where the pack relies on ComfyUI's internals (zimage_core/bridge/reaches.py): each reach still
+"""Where the pack relies on ComfyUI's internals (bridge/reaches.py): each reach still
 holds on the ComfyUI tree under test, and a changed one fails naming itself."""
 import pytest
 
 from comfy_env import comfyui_version, needs_comfyui, run_check
-from zimage_core.bridge import reaches as cr
+from bridge import reaches as cr
 
 
 @needs_comfyui

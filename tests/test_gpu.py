@@ -14,17 +14,17 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 def test_streamed_equals_resident_on_cuda(tiny_file, dtype):
     before = host_memory.live_bytes()
     m = ZImageTransformer.load(tiny_file, device="cuda", dtype=dtype)
-    assert m.streamer.master_layers == 0  # loading packs nothing
+    assert m.streamer.masters.master_layers == 0  # loading packs nothing
     x, _, ctx = inputs(TINY, width=128, height=96)
     m.prepare(128, 96, resident_layers=TINY.n_blocks)
     ref = euler_sample(m, x.cuda(), ctx.cuda(), steps=4)
-    assert m.streamer.master_layers == 0  # resident layers came from the file through staging
+    assert m.streamer.masters.master_layers == 0  # resident layers came from the file through staging
     for r in range(TINY.n_blocks):
         for slots in (1, 2, 3):
             m.streamer.configure(r, slots)
             out = euler_sample(m, x.cuda(), ctx.cuda(), steps=4)
             assert torch.equal(out, ref), (r, slots)
-    assert all(h is not None and h.is_pinned() for h in m.streamer.host)  # each streamed once: a pinned master
+    assert all(h is not None and h.is_pinned() for h in m.streamer.masters.host)  # each streamed once: a pinned master
     m.release()
     assert host_memory.live_bytes() == before
 
@@ -93,7 +93,7 @@ def test_offload_frees_the_device_and_comes_back_identical(tiny_file):
 def test_layers_past_the_pinned_cap_are_read_from_the_file_identically(tiny_file):
     """No pinned master: every upload reads the file into staging, and the bits are the same."""
     m = ZImageTransformer.load(tiny_file, device="cuda", dtype="bf16", settings=Settings(pinned_cap=0))
-    assert m.streamer.pinned_layers == 0
+    assert m.streamer.masters.pinned_layers == 0
     x, _, ctx = inputs(TINY, width=128, height=96)
     m.prepare(128, 96, resident_layers=TINY.n_blocks)
     ref = euler_sample(m, x.cuda(), ctx.cuda(), steps=3)
@@ -113,11 +113,11 @@ def test_the_fixed_part_is_the_files_pages_and_a_patch_gets_its_own_copy(tiny_fi
     m.prepare(128, 96, resident_layers=1)
     ref = euler_sample(m, x.cuda(), ctx.cuda(), steps=2)
     key = "t_embedder.mlp.0.weight"
-    w = m.base_weight(key)
-    m.set_weight(key, w * 1.5)
+    w = m.weights.base(key)
+    m.weights.set(key, w * 1.5)
     assert not torch.equal(euler_sample(m, x.cuda(), ctx.cuda(), steps=2), ref)
     m.offload()  # back from the patched master
-    m.set_weight(key, w)
+    m.weights.set(key, w)
     assert torch.equal(euler_sample(m, x.cuda(), ctx.cuda(), steps=2), ref)
     ckpt = Checkpoint(tiny_file)
     assert torch.equal(ckpt.tensor(key), w)
@@ -143,14 +143,14 @@ def test_non_finite_weights_are_named_on_cuda(tmp_path, resident):
 def test_a_staging_ring_of_small_chunks_is_bit_identical_on_cuda(tiny_file, monkeypatch):
     """Chunks far smaller than a layer: the ring of pinned buffers wraps inside every upload, each
     read waiting for the upload that last used its buffer; the bits are the resident ones."""
-    from zimage_core import streamer
-    monkeypatch.setattr(streamer, "STAGING_CHUNK", 1000)
+    from zimage_core import layout as layout_module
+    monkeypatch.setattr(layout_module, "STAGING_CHUNK", 1000)
     m = ZImageTransformer.load(tiny_file, device="cuda", dtype="bf16", settings=Settings(pinned_cap=TINY.fixed_params() * 2 + 4000))  # the fixed part and the ring, no master
     x, _, ctx = inputs(TINY, width=128, height=96)
     m.prepare(128, 96, resident_layers=TINY.n_blocks)
     ref = euler_sample(m, x.cuda(), ctx.cuda(), steps=3)
     m.prepare(128, 96, resident_layers=0)
-    assert len(m.streamer._staging) == streamer.STAGING_BUFFERS and all(b.is_pinned() for b, _ in m.streamer._staging)
+    assert len(m.streamer.masters._staging) == layout_module.STAGING_BUFFERS and all(b.is_pinned() for b, _ in m.streamer.masters._staging)
     assert torch.equal(euler_sample(m, x.cuda(), ctx.cuda(), steps=3), ref)
     m.release()
 
@@ -172,7 +172,7 @@ def test_compressed_masters_are_bit_identical_on_cuda(tiny_file, monkeypatch):
             m.streamer.configure(r, slots)
             assert torch.equal(euler_sample(m, x.cuda(), ctx.cuda(), steps=4), ref), (r, slots)
     s = m.streamer
-    assert all(c is not None and len(c) > 2 for c in s.codes) and all(h.is_pinned() for h in s.host)
+    assert all(c is not None and len(c) > 2 for c in s.masters.codes) and all(h.is_pinned() for h in s.masters.host)
     s.configure(1, 1)
     assert s.device_bytes == 2 * s.layout.nbytes + compression.BUFFERS * compression.GROUP_BYTES  # the decode's buffers count
     s.configure(0, 0)

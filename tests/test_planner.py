@@ -10,7 +10,9 @@ import torch
 
 from conftest import TINY
 from zimage_core.config import FULL
-from zimage_core.planner import host_room, plan, simulate_step
+from zimage_core.layout import streamed_in_order
+from zimage_core.planner import Limits, host_room, plan
+from zimage_core.simulation import simulate_step
 
 GiB = 1 << 30
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -80,20 +82,22 @@ def _cli(*args):
 def test_streamed_layers_are_pinned_as_far_as_the_host_room_allows():
     layer = plan(FULL, int(7.5 * GiB), 1024, 1024).layer_bytes
     for rooms in (None, 100 * GiB, 5 * layer, layer - 1, 0, -GiB):
-        p = plan(FULL, int(7.5 * GiB), 1024, 1024, host_room=rooms)
+        p = plan(FULL, int(7.5 * GiB), 1024, 1024, limits=Limits(host_room=rooms))
         assert p.pinned_layers + p.file_layers == p.streamed_layers
         want = p.streamed_layers if rooms is None else min(p.streamed_layers, max(0, rooms) // layer)
         assert p.pinned_layers == want and p.pinned_host_bytes == want * layer
+        # which: the first streamed layers to run (masters are made at a layer's first upload)
+        assert sorted(p.pinned) == streamed_in_order(FULL.n_blocks, p.resident_layers)[:want]
         assert ("from the page cache" in p.summary()) == (p.file_layers > 0)
     # the host side never changes the device side
-    assert len({(plan(FULL, int(7.5 * GiB), 1024, 1024, host_room=r).resident_layers) for r in (None, 0)}) == 1
+    assert len({(plan(FULL, int(7.5 * GiB), 1024, 1024, limits=Limits(host_room=r)).resident_layers) for r in (None, 0)}) == 1
 
 
 def test_only_the_streamed_layers_whose_masters_buy_time_are_pinned():
     """Pinned memory is RAM nothing else can use: a layer gets a master only where reading it from the
     page cache (``file_copy`` times a pinned upload) would make the step slower."""
     def at(ratio, file_copy, room=None):
-        return plan(FULL, int(7.5 * GiB), 1024, 1024, compute_copy_ratio=ratio, file_copy=file_copy, host_room=room)
+        return plan(FULL, int(7.5 * GiB), 1024, 1024, compute_copy_ratio=ratio, file_copy=file_copy, limits=Limits(host_room=room))
     bus_bound, compute_bound = at(0.55, 2.0), at(3.0, 3.0)  # an H200 at 1024x1024; a desktop card's compute
     assert bus_bound.pinned_layers == bus_bound.streamed_layers > 0 and bus_bound.ram_short == 0
     assert compute_bound.pinned_layers == 0 and compute_bound.file_layers == compute_bound.streamed_layers
@@ -115,7 +119,7 @@ def test_host_room_keeps_comfyuis_headroom_and_the_working_memory(ram, headroom)
 
 
 def test_a_16_gb_machine_pins_less_than_a_32_gb_one():
-    small, large = (plan(FULL, int(5.5 * GiB), 1024, 1024, host_room=host_room(FULL, g * GiB).layers)
+    small, large = (plan(FULL, int(5.5 * GiB), 1024, 1024, limits=Limits(host_room=host_room(FULL, g * GiB).layers))
                     for g in (6, 28))
     assert small.file_layers > 0 and large.file_layers == 0
     assert small.pinned_layers < large.pinned_layers == large.streamed_layers
@@ -219,7 +223,7 @@ def test_a_compressed_upload_counts_the_bytes_it_is_expected_to_move():
     bus (the H200's measured ratio and decode) the bound's 3% more chose 14 resident layers and 2
     slots, measured slower (107.1 ms a step) than the 13 and 3 chosen now (104.4 ms)."""
     from zimage_core import compression
-    from zimage_core.streamer import PackLayout
+    from zimage_core.layout import PackLayout
     layer = PackLayout(FULL, torch.bfloat16)
     assert compression.expected(layer.numel) / layer.nbytes == pytest.approx(0.75, abs=1e-3)
     assert compression.expected(layer.numel) < compression.bound(layer.numel)
@@ -299,13 +303,24 @@ def test_planned_memory_covers_measured_peaks(w, h, batch, resident, slots, comp
         assert p.needed_bytes / GiB == pytest.approx(planned) and planned <= 1.10 * peak
 
 
-def test_a_plan_is_a_fresh_copy_each_time():
-    """The step simulations behind a plan are remembered (they cost milliseconds at every image),
-    but what one caller changes in its plan does not reach the next."""
+def test_a_plan_is_a_value_made_under_its_limits():
+    """The step simulations behind a plan are remembered (they cost milliseconds at every image), but
+    a plan is never edited: the limits are the planner's input, and a limited plan is whole (its
+    device bytes are its split's)."""
+    import dataclasses
     a = plan(FULL, int(5.5 * GiB), 1024, 1024, compute_copy_ratio=0.9)
-    a.force(0, None)
-    b = plan(FULL, int(5.5 * GiB), 1024, 1024, compute_copy_ratio=0.9)
-    assert b is not a and b.resident_layers > 0
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        a.resident_layers = 0
+    forced = plan(FULL, int(5.5 * GiB), 1024, 1024, limits=Limits(resident=0), compute_copy_ratio=0.9)
+    capped = plan(FULL, int(5.5 * GiB), 1024, 1024, limits=Limits(max_resident=1), compute_copy_ratio=0.9)
+    assert a.resident_layers > 1 and forced.resident_layers == 0 and capped.resident_layers == 1
+    for p in (forced, capped):
+        assert p.slots >= 2 and p.streamed_layers == FULL.n_blocks - p.resident_layers
+        assert p.device_bytes == p.fixed_bytes + p.activation_bytes + (p.resident_layers + p.slots) * p.layer_bytes
+        assert p.pinned == p.masters == frozenset(streamed_in_order(FULL.n_blocks, p.resident_layers))
+    assert plan(FULL, int(5.5 * GiB), 1024, 1024, limits=Limits(max_resident=30), compute_copy_ratio=0.9) == a
+    left = plan(FULL, int(5.5 * GiB), 1024, 1024, limits=Limits(leave_free=GiB), compute_copy_ratio=0.9)
+    assert left.free_bytes == a.free_bytes - GiB and left.resident_layers < a.resident_layers
 
 
 def test_a_long_prompt_is_planned_for_its_length():

@@ -110,7 +110,7 @@ def test_non_finite_weights_are_named(tmp_path, key, resident):
 
 def test_fp8_nan_is_found(tmp_path):
     """fp8 e4m3fn has no infinity; its NaN is a bit pattern that isfinite cannot read."""
-    from zimage_core.streamer import all_finite
+    from zimage_core.weight_checks import all_finite
     t = torch.zeros(8, dtype=torch.float8_e4m3fn)
     assert bool(all_finite(t))
     t.view(torch.uint8)[3] = 0xFF
@@ -123,9 +123,9 @@ def test_a_weight_patch_that_makes_a_layer_non_finite_is_caught(tiny_file):
         x, t, ctx = inputs(TINY)
         m(x, t, ctx)
         key = "layers.1.attention.out.weight"
-        w = m.base_weight(key)
+        w = m.weights.base(key)
         w[0, 0] = float("inf")
-        m.set_weight(key, w)
+        m.weights.set(key, w)
         with pytest.raises(CheckpointError, match="layers.1.attention.out.weight"):
             m(x, t, ctx)
     finally:

@@ -84,7 +84,7 @@ def test_streamed_stack_equals_whole_model(device, slots):
     # memory: the layers were uploaded from them, with no masters of their own
     assert same_values(enc, own) and addresses(enc.layers) == where
     assert all(p.device.type == "cpu" for p in enc.parameters())
-    assert stack.streamer.master_layers == 0
+    assert stack.streamer.masters.master_layers == 0
     assert stack.device_bytes() == stack.loaded_bytes
     assert stack.unload() == stack.loaded_bytes and stack.device_bytes() == 0
     stack.release()
@@ -248,7 +248,7 @@ def test_file_mapped_weights_are_locked_in_place_and_stream_identically(tmp_path
         with stack.running():
             assert torch.equal(enc(ids), whole)
     assert addresses(enc.layers) == {k: where[f"layers.{k}"] for k in addresses(enc.layers)}
-    assert not stack.streamer._staging  # uploaded from where they are
+    assert not stack.streamer.masters._staging  # uploaded from where they are
     stack.release()
     assert live_bytes() == before
     pool = HostPool()  # a whole model from its file's pages, the model's own tensors untouched

@@ -9,7 +9,8 @@ from zimage_core import host_memory
 from zimage_core.errors import OutOfDeviceMemory
 from zimage_core.host_memory import HostPool
 from tools.schedule import euler_sample
-from zimage_core.streamer import LayerStreamer, PackLayout, residency_order
+from zimage_core.layout import PackLayout, StreamConfig, residency_order
+from zimage_core.streamer import LayerStreamer
 from zimage_core.transformer import Settings, ZImageTransformer
 
 
@@ -142,19 +143,19 @@ def test_out_of_memory_evicts_and_retries(tiny_file, monkeypatch):
 def test_masters_are_made_at_first_upload_within_the_cap_and_released(tiny_file):
     """Loading packs no layer; a forward gives streamed layers masters while the cap has room (the
     first ones to run), reads the rest from the file, and the output is the resident one."""
-    from zimage_core.streamer import PackLayout
+    from zimage_core.layout import PackLayout
     layer = PackLayout(TINY, torch.float32).nbytes
     fixed = TINY.fixed_params() * 4
     before = host_memory.live_bytes()
     m = ZImageTransformer.load(tiny_file, device="cpu", dtype="fp32", settings=Settings(pinned_cap=fixed + 2 * layer))
-    assert m.streamer.master_layers == 0 and host_memory.live_bytes() - before == fixed
+    assert m.streamer.masters.master_layers == 0 and host_memory.live_bytes() - before == fixed
     x, t, ctx = inputs(TINY)
     m.prepare(64, 48, resident_layers=TINY.n_blocks)
     ref = m(x, t, ctx)
-    assert m.streamer.master_layers == 0  # resident layers need no host copy
+    assert m.streamer.masters.master_layers == 0  # resident layers need no host copy
     m.prepare(64, 48, resident_layers=0)
     assert torch.equal(m(x, t, ctx), ref)
-    assert [i for i, h in enumerate(m.streamer.host) if h is not None] == [0, 1]
+    assert [i for i, h in enumerate(m.streamer.masters.host) if h is not None] == [0, 1]
     assert host_memory.live_bytes() - before == fixed + 2 * layer
     assert torch.equal(m(x, t, ctx), ref)  # masters and file reads again, same bits
     m.release()
@@ -173,9 +174,9 @@ def test_layers_without_masters_come_through_staging_with_the_files_bytes(tiny_f
     m.prepare(64, 48, resident_layers=0)
     assert torch.equal(m(x, t, ctx), ref)
     s = m.streamer
-    assert s.master_layers == 0 and len(s._staging) == 1  # no room for a master nor a second buffer
+    assert s.masters.master_layers == 0 and len(s.masters._staging) == 1  # no room for a master nor a second buffer
     last = TINY.n_blocks - 1  # the last upload of the forward
-    staged = s.layout.views(s._staging[0][0])
+    staged = s.layout.views(s.masters._staging[0][0])
     ck = Checkpoint(tiny_file)
     for name, key in (("qkv", "attention.qkv"), ("out", "attention.out"), ("w2", "feed_forward.w2")):
         assert torch.equal(getattr(staged, name), ck.tensor(f"{TINY.block_names()[last]}.{key}.weight"))
@@ -211,14 +212,14 @@ def test_chunked_fill_equals_a_whole_fill(tiny_file, chunk):
 def test_uploads_through_a_staging_ring_of_small_chunks_are_bit_identical(tiny_file, monkeypatch):
     """Chunks much smaller than a layer (every upload takes several turns of the ring, and the
     ring wraps inside a layer): the output is the resident one."""
-    from zimage_core import streamer
-    monkeypatch.setattr(streamer, "STAGING_CHUNK", 1000)
+    from zimage_core import layout as layout_module
+    monkeypatch.setattr(layout_module, "STAGING_CHUNK", 1000)
     x, t, ctx = inputs(TINY)
     m = ZImageTransformer.load(tiny_file, device="cpu", dtype="fp32", settings=Settings(pinned_cap=TINY.fixed_params() * 4))
     m.prepare(64, 48, resident_layers=TINY.n_blocks)
     ref = m(x, t, ctx)
     m.prepare(64, 48, resident_layers=0)
-    assert m.streamer.chunk * 4 < m.streamer.layout.numel
+    assert m.streamer.masters.chunk * 4 < m.streamer.layout.numel
     assert torch.equal(m(x, t, ctx), ref)
     m.release()
 
@@ -265,13 +266,13 @@ def test_set_weight_reaches_resident_and_streamed_layers_and_restores(tiny_file)
     keys = ["layers.0.attention.qkv.weight", f"layers.{TINY.n_layers - 1}.feed_forward.w2.weight",
             "noise_refiner.0.feed_forward.w1.weight", "x_embedder.weight"]
     for k in keys:
-        m.set_weight(k, m.base_weight(k) * 1.5)
+        m.weights.set(k, m.weights.base(k) * 1.5)
     patched = m(x, t, ctx)
     assert not torch.equal(patched, base)
     m.prepare(64, 48, resident_layers=0)
     assert torch.equal(m(x, t, ctx), patched)
     for k in keys:
-        m.set_weight(k, m.base_weight(k))
+        m.weights.set(k, m.weights.base(k))
     assert torch.equal(m(x, t, ctx), base)
     m.prepare(64, 48, resident_layers=TINY.n_blocks)
     assert torch.equal(m(x, t, ctx), base)
@@ -300,7 +301,7 @@ def test_uploads_run_ahead_into_the_next_forward_only_when_asked():
     layout = PackLayout({"w": (4, 8)}, torch.float32)
     n, r, k = 7, 2, 3
     sources = [{"w": [(0, torch.full((4, 8), float(i)))]} for i in range(n)]
-    s = LayerStreamer(layout, sources, "cpu", HostPool())
+    s = LayerStreamer(StreamConfig(layout, "cpu"), sources, HostPool())
     s.configure(r, k)
     assert sorted(s.resident) == [1, 3] and s.streamed == [0, 2, 4, 5, 6]
     uploads = []
@@ -331,16 +332,16 @@ def test_set_weight_reaches_a_layer_uploaded_ahead(tiny_file):
     x, t, ctx = inputs(TINY)
     key = "layers.1.feed_forward.w1.weight"
     m.prepare(64, 48, resident_layers=TINY.n_blocks)
-    m.set_weight(key, m.base_weight(key) * 1.5)
+    m.weights.set(key, m.weights.base(key) * 1.5)
     patched = m(x, t, ctx)
-    m.set_weight(key, m.base_weight(key))
+    m.weights.set(key, m.weights.base(key))
     m.prepare(64, 48, resident_layers=1)
     more = {"sample_sigmas": torch.tensor([1.0, 0.5, 0.0]), "sigmas": torch.tensor([1.0])}
     uploads = []
     m.streamer.register_upload_hook(lambda i, upload: uploads.append(i) or upload())
     m(x, t, ctx, transformer_options=more)
     assert uploads and int(m.streamer._queued) > int(m.streamer._base)
-    m.set_weight(key, m.base_weight(key) * 1.5)
+    m.weights.set(key, m.weights.base(key) * 1.5)
     assert torch.equal(m(x, t, ctx), patched)
     m.release()
 
@@ -351,7 +352,7 @@ def test_a_forward_in_ranges_that_look_ahead_differently_still_gets_every_layer(
     layout = PackLayout({"w": (4, 8)}, torch.float32)
     n = 6
     sources = [{"w": [(0, torch.full((4, 8), float(i)))]} for i in range(n)]
-    s = LayerStreamer(layout, sources, "cpu", HostPool())
+    s = LayerStreamer(StreamConfig(layout, "cpu"), sources, HostPool())
     s.configure(3, 3)  # as many slots as streamed layers: each slot's next upload is the next forward's
     for _ in range(3):
         s.prefetch_first()
@@ -375,22 +376,22 @@ def test_uploads_under_inference_mode_as_comfyui_runs_nodes(tiny_file):
 
 
 def test_streamed_layers_the_plan_leaves_in_the_file_get_no_master(tiny_file):
-    """``configure(..., from_file)``: that many streamed layers keep coming from the file, the first to
-    run get masters; masters made before stay; a layer streamed beyond the plan (evicted) may get one;
-    the output is the same."""
+    """``configure(..., masters)``: the streamed layers named get masters at their first upload,
+    the others keep coming from the file; masters made before stay; with no set given, the last
+    one holds; the output is the same."""
     x, t, ctx = inputs(TINY)
     m = ZImageTransformer.load(tiny_file, device="cpu", dtype="fp32")
     m.prepare(64, 48, resident_layers=TINY.n_blocks)
     ref = m(x, t, ctx)
     s = m.streamer
-    s.configure(0, 2, TINY.n_blocks - 2)
+    s.configure(0, 2, frozenset({0, 3}))
     assert torch.equal(m(x, t, ctx), ref)
-    assert [i for i, h in enumerate(s.host) if h is not None] == s.streamed[:2]
-    s.configure(0, 2, TINY.n_blocks)
-    assert torch.equal(m(x, t, ctx), ref) and s.master_layers == 2
-    s.configure(2, 2, 0)
-    s.configure(0, 2)  # evicted beyond the plan: the planned none-from-file still holds
-    assert torch.equal(m(x, t, ctx), ref) and s.master_layers == TINY.n_blocks
+    assert [i for i, h in enumerate(s.masters.host) if h is not None] == [0, 3]
+    s.configure(0, 2, frozenset())
+    assert torch.equal(m(x, t, ctx), ref) and s.masters.master_layers == 2
+    s.configure(2, 2, frozenset(range(TINY.n_blocks)))
+    s.configure(0, 2)  # evicted beyond the plan: the planned set still holds
+    assert torch.equal(m(x, t, ctx), ref) and s.masters.master_layers == TINY.n_blocks
     m.release()
 
 
@@ -401,10 +402,10 @@ def test_compressed_masters_stream_the_same_bits_at_every_split(tiny_file, monke
     bit, whatever the split; a weight patch still reaches a compressed layer. ``small_chunks``: a
     layer is encoded through both staging buffers, several chunks each (a full-size layer's
     shape: 22 chunks in 6 buffers)."""
-    from zimage_core import compression, streamer
+    from zimage_core import compression, layout as layout_module
     if small_chunks:
         monkeypatch.setattr(compression, "CHUNK", 4096)
-        monkeypatch.setattr(streamer, "STAGING_CHUNK", 3 * 4096 * 2)
+        monkeypatch.setattr(layout_module, "STAGING_CHUNK", 3 * 4096 * 2)
     x, t, ctx = inputs(TINY)
     before = host_memory.live_bytes()
     plain = ZImageTransformer.load(tiny_file, device="cpu", dtype="bf16")
@@ -416,16 +417,16 @@ def test_compressed_masters_stream_the_same_bits_at_every_split(tiny_file, monke
             m.prepare(64, 48, resident_layers=resident)
             assert torch.equal(m(x, t, ctx), ref)
         s = m.streamer
-        assert all(c is not None for c in s.codes) and s.master_layers == TINY.n_blocks
-        assert len(s.codes[0]) == -(-s.layout.numel // compression.CHUNK)
+        assert all(c is not None for c in s.masters.codes) and s.masters.master_layers == TINY.n_blocks
+        assert len(s.masters.codes[0]) == -(-s.layout.numel // compression.CHUNK)
         if small_chunks:
-            assert len(s._staging) == 2 and s.chunk == 3 * 4096 < s.layout.numel / 2
+            assert len(s.masters._staging) == 2 and s.masters.chunk == 3 * 4096 < s.layout.numel / 2
         bound = compression.bound(s.layout.numel)
-        assert all(h.dtype == torch.uint8 and h.numel() == bound for h in s.host) and bound < 0.78 * s.layout.nbytes
+        assert all(h.dtype == torch.uint8 and h.numel() == bound for h in s.masters.host) and bound < 0.78 * s.layout.nbytes
         key = "layers.1.feed_forward.w2.weight"  # layer 1 streamed, its master compressed
         for model in (plain, m):
-            model.set_weight(key, model.base_weight(key) * 1.5)
-        assert s.codes[plain.block_index["layers.1"]] is None  # decoded into a plain master to be patched
+            model.weights.set(key, model.weights.base(key) * 1.5)
+        assert s.masters.codes[plain.cfg.block_names().index("layers.1")] is None  # decoded into a plain master to be patched
         patched = plain(x, t, ctx)
         assert not torch.equal(patched, ref) and torch.equal(m(x, t, ctx), patched)
     finally:
@@ -450,15 +451,15 @@ def test_a_patch_of_a_layer_without_a_master_on_a_compressing_streamer_restores_
         assert torch.equal(m(x, t, ctx), ref)
         s = m.streamer
         layer = s.order[0]  # resident: no master yet
-        assert s.host[layer] is None and any(c is not None for c in s.codes)
+        assert s.masters.host[layer] is None and any(c is not None for c in s.masters.codes)
         key = f"{m.cfg.block_names()[layer]}.feed_forward.w2.weight"
         for model in (plain, m):
-            model.set_weight(key, model.base_weight(key) * 1.5)
-        assert s.codes[layer] is None and s.host[layer].dtype == torch.bfloat16
+            model.weights.set(key, model.weights.base(key) * 1.5)
+        assert s.masters.codes[layer] is None and s.masters.host[layer].dtype == torch.bfloat16
         patched = plain(x, t, ctx)
         assert not torch.equal(patched, ref) and torch.equal(m(x, t, ctx), patched)
         for model in (plain, m):
-            model.set_weight(key, model.base_weight(key))
+            model.weights.set(key, model.weights.base(key))
         for resident in (2, 0, TINY.n_blocks, 1):
             m.prepare(64, 48, resident_layers=resident)
             assert torch.equal(m(x, t, ctx), ref), resident
@@ -497,9 +498,9 @@ def test_a_patch_set_on_the_streamer_reaches_every_split_and_leaves_the_masters_
         layers = [s.order[0], s.order[-1]]  # one resident, one streamed
         names = [f"{m.cfg.block_names()[i]}.feed_forward.w1.weight" for i in layers]
         for key in names:
-            ref_model.set_weight(key, ref_model.base_weight(key) * 2)
+            ref_model.weights.set(key, ref_model.weights.base(key) * 2)
         patched = ref_model(x, t, ctx)
-        masters = [None if h is None else h.clone() for h in s.host]
+        masters = [None if h is None else h.clone() for h in s.masters.host]
         patch = _Scale(layers, "w1", 2)
         s.set_patch(patch)
         for resident in (2, 0, TINY.n_blocks, 1, 2):
@@ -507,7 +508,7 @@ def test_a_patch_set_on_the_streamer_reaches_every_split_and_leaves_the_masters_
             assert torch.equal(m(x, t, ctx), patched), resident
             assert torch.equal(m(x, t, ctx), patched), resident  # a resident layer is patched once
         assert patch.verified == 10
-        assert all((a is None and b is None) or torch.equal(a, b) for a, b in zip(masters, s.host[:len(masters)])
+        assert all((a is None and b is None) or torch.equal(a, b) for a, b in zip(masters, s.masters.host[:len(masters)])
                    if a is not None)
         s.set_patch(_Scale(layers[:1], "w1", 1))  # another set: the first one's values are gone
         assert torch.equal(m(x, t, ctx), base)

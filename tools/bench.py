@@ -49,7 +49,7 @@ def _timed_steps(model, noise, ctx, steps):
 def pinned_bandwidth(model, repeats=5) -> float | None:
     """Bytes per second of one packed layer upload from pinned memory, median of ``repeats``."""
     s = model.streamer
-    host = next((h for h in reversed(s.host) if h is not None), None)
+    host = next((h for h in reversed(s.masters.host) if h is not None), None)
     if host is None or model.device.type != "cuda":
         return None
     host = host.view(torch.uint8)  # a compressed master is shorter than the slot it decodes into
@@ -149,19 +149,21 @@ def _timed_upload(copies, stream, i, upload):
 
 def _upload_bytes(s, i) -> int:
     """Bytes layer i's upload moves over the bus: its compressed chunks, or the packed layer."""
-    return sum(c.nbytes for c in s.codes[i]) if s.codes[i] else s.layout.nbytes
+    codes = s.masters.codes[i]
+    return sum(c.nbytes for c in codes) if codes else s.layout.nbytes
 
 
 def _decode_time(s, dev) -> float | None:
     """Seconds the device takes to decode one compressed layer: its first run of chunks (one upload's
     worth, already on the device) timed and scaled to the layer. A whole layer's bytes and output
     beside a small card's plan would not fit."""
-    i = next((i for i, c in enumerate(s.codes) if c), None)
+    m = s.masters
+    i = next((i for i, c in enumerate(m.codes) if c), None)
     if i is None:
         return None
-    run = compression.groups(s.codes[i])[0]  # from the layer's first weight on
+    run = compression.groups(m.codes[i])[0]  # from the layer's first weight on
     n = run[-1].start + run[-1].numel
-    packed = s.host[i][:run[-1].offset + run[-1].nbytes].to(dev)
+    packed = m.host[i][:run[-1].offset + run[-1].nbytes].to(dev)
     out = torch.empty(n, dtype=s.layout.dtype, device=dev)
     return compression.decode_seconds(run, packed, out, repeats=4) * s.layout.numel / n
 
@@ -212,7 +214,7 @@ def _run(model, dev, width, height, steps, seed, resident_layers, cap_tokens, ba
     compute = statistics.median(compute_times[1:] or compute_times)
     # a compressed layer's decode runs on the device beside the step's compute, so it adds to it
     decode_s = _decode_time(s, dev) if dev.type == "cuda" else None
-    work = compute + (decode_s or 0.0) * sum(bool(s.codes[i]) for i, _ in copies) / steps
+    work = compute + (decode_s or 0.0) * sum(bool(s.masters.codes[i]) for i, _ in copies) / steps
     bound = max(work, streamed_bytes / bw) if bw else work
     result = {
         "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
@@ -222,11 +224,11 @@ def _run(model, dev, width, height, steps, seed, resident_layers, cap_tokens, ba
         "planned_resident_layers": plan.resident_layers, "planned_slots": plan.slots,
         "planned_free_bytes": plan.free_bytes, "planned_activation_bytes": plan.activation_bytes,
         "prepare_s": prepare_s, "first_forward_s": first_forward_s, "pin_calls_in_steps": host_memory.pin_calls() - pins,
-        "pinned_layers": s.pinned_layers, "file_layers": s.n_streamed - s.master_layers,
+        "pinned_layers": s.masters.pinned_layers, "file_layers": s.n_streamed - s.masters.master_layers,
         "first_step_s": times[0], "median_step_s": step, "compute_step_s": compute,
         "streamed_bytes_per_step": streamed_bytes,
         "copy_bandwidth_Bps": (moved / copy_s) if copy_s else None,
-        "compressed_layers": sum(c is not None for c in s.codes), "encode_s": s.encode_seconds,
+        "compressed_layers": sum(c is not None for c in s.masters.codes), "encode_s": s.masters.encode_seconds,
         "pinned_bandwidth_Bps": bw, "bound_s": bound, "ratio_to_bound": step / bound,
         "output_sha256": _sha256(out),
     }

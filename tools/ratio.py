@@ -8,7 +8,7 @@ import torch
 
 from zimage_core import compression
 from zimage_core.checkpoint import Checkpoint
-from zimage_core.streamer import PackLayout
+from zimage_core.layout import PackLayout
 from zimage_core.transformer import layer_pieces
 
 

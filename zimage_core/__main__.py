@@ -12,9 +12,9 @@ import torch
 from . import environment, host_memory
 from .config import FULL
 from .errors import ZImageError
+from .image_size import MAX_SIDE, is_side, nearest_side
 
 GiB = 1 << 30
-MAX_SIDE = 4096  # the largest image side, as in the ComfyUI sampler node
 MAX_BATCH = 64
 MAX_GIB = 4096
 DOES_NOT_FIT = 3  # plan's exit status when the transformer does not fit (argparse uses 2 for bad input)
@@ -39,9 +39,9 @@ def _number(text, kind):
 def side(text):
     """An image side in pixels: Z-Image's VAE downscales by 8 and the transformer patches by 2."""
     v = _number(text, int)
-    if v <= 0 or v % 16 or v > MAX_SIDE:
-        near = min(max(16, round(v / 16) * 16), MAX_SIDE)
-        raise argparse.ArgumentTypeError(f"{v}: give one of the multiples of 16 from 16 to {MAX_SIDE} (try {near})")
+    if not is_side(v):
+        raise argparse.ArgumentTypeError(f"{v}: give one of the multiples of 16 from 16 to {MAX_SIDE} "
+                                         f"(try {nearest_side(v)})")
     return v
 
 
@@ -93,11 +93,10 @@ def _plan(a):
     storage = torch.float8_e4m3fn if a.fp8 else torch.bfloat16
     ram = int(a.ram_gib * GiB) if a.ram_gib is not None else host_memory.available_ram()
     host = None if ram is None else planner.host_room(FULL, ram, storage=storage)
-    layers_room = None if host is None else host.layers
-    if env.pinned_cap is not None:  # the cap counts every copy the pack holds: the staging and fixed part first
-        fixed = planner.host_room(FULL, 0, storage=storage).fixed
-        layers_room = min(max(0, env.pinned_cap - fixed), layers_room if layers_room is not None else env.pinned_cap)
-    p = planner.plan(FULL, free, a.width, a.height, a.batch, storage=storage, host_room=layers_room,
+    # RAM that cannot be read leaves the masters unbounded, but for the cap
+    unread = planner.host_room(FULL, 1 << 62, storage=storage) if env.pinned_cap is not None else None
+    layers_room = (host or unread).for_masters(env.pinned_cap) if (host or unread) else None
+    p = planner.plan(FULL, free, a.width, a.height, a.batch, planner.Limits(host_room=layers_room), storage=storage,
                      compress="on" if a.compress else env.compression)
     if a.json:
         print(json.dumps(dict(p.as_dict(), host=None if host is None else host.as_dict())))

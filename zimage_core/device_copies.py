@@ -17,7 +17,7 @@ import contextlib
 import torch
 
 from .host_memory import HostPool, maps_file
-from .streamer import device_of
+from .devices import device_of
 
 
 def copy_source(t):

@@ -126,14 +126,14 @@ class _QKNorms(nn.Module):
 class Block(nn.Module):
     """A joint transformer block; ``modulated`` blocks (main layers, noise refiners) use adaLN."""
 
-    def __init__(self, cfg: ZImageConfig, modulated: bool):
+    def __init__(self, cfg: ZImageConfig, modulated: bool, attention_fn=sdpa_attention):
         super().__init__()
         self.n_heads, self.head_dim = cfg.n_heads, cfg.head_dim
         self.attention = _QKNorms(cfg.head_dim)
         for name in ("attention_norm1", "attention_norm2", "ffn_norm1", "ffn_norm2"):
             setattr(self, name, RMSNorm(cfg.dim, cfg.norm_eps))
         self.modulated = modulated
-        self.attention_fn = sdpa_attention
+        self.attention_fn = attention_fn
         if modulated:
             self.adaLN_modulation = nn.Sequential(Linear(cfg.t_dim, 4 * cfg.dim))
 
@@ -199,26 +199,22 @@ class _FinalLayer(nn.Module):
 class ZImageDiT(nn.Module):
     """Small parameters live here. The big matrices of every block (context refiners, noise
     refiners, main layers, in that order) come from a runner (``run_layers(x, layer_fn, blocks,
-    next_forward)``, ``n_streamed``) that owns residency and streaming."""
+    next_forward)``, ``n_streamed``, ``prefetch_first()``) that owns residency and streaming.
+    ``attention(q, k, v, heads)``: the attention kernel (ComfyUI's, where ComfyUI runs the model)."""
 
-    def __init__(self, cfg: ZImageConfig, dtype=torch.bfloat16):
+    def __init__(self, cfg: ZImageConfig, dtype=torch.bfloat16, runner=None, attention=sdpa_attention):
         super().__init__()
         self.cfg, self.dtype = cfg, dtype
         self.x_embedder = Linear(cfg.in_channels * cfg.patch_size ** 2, cfg.dim)
         self.t_embedder = _TimestepEmbedder(cfg)
         self.cap_embedder = nn.Sequential(RMSNorm(cfg.cap_feat_dim, cfg.norm_eps), Linear(cfg.cap_feat_dim, cfg.dim))
-        self.noise_refiner = nn.ModuleList(Block(cfg, True) for _ in range(cfg.n_refiner_layers))
-        self.context_refiner = nn.ModuleList(Block(cfg, False) for _ in range(cfg.n_refiner_layers))
-        self.layers = nn.ModuleList(Block(cfg, True) for _ in range(cfg.n_layers))
+        self.noise_refiner = nn.ModuleList(Block(cfg, True, attention) for _ in range(cfg.n_refiner_layers))
+        self.context_refiner = nn.ModuleList(Block(cfg, False, attention) for _ in range(cfg.n_refiner_layers))
+        self.layers = nn.ModuleList(Block(cfg, True, attention) for _ in range(cfg.n_layers))
         self.final_layer = _FinalLayer(cfg)
         self.x_pad_token = nn.Parameter(torch.empty(1, cfg.dim))
         self.cap_pad_token = nn.Parameter(torch.empty(1, cfg.dim))
-        self.runner = None
-
-    def set_attention(self, fn):
-        for block in self.modules():
-            if isinstance(block, Block):
-                block.attention_fn = fn
+        self.runner = runner
 
     def forward(self, x, timesteps, context, num_tokens=None, attention_mask=None, transformer_options={},
                 chunks: Chunks | None = None, tick: Callable[[], None] = lambda: None, **kwargs):

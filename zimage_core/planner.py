@@ -1,27 +1,30 @@
-"""How many main layers stay on the GPU for a given free memory and image size.
-
-Host memory is planned beside it: the streamed layers' masters are pinned while the host budget
-(``host_memory.BUDGET``: the RAM that is available, less what ComfyUI's RAM cache keeps free) has
-room, and the rest are read from the file (the page cache, or the disk) at every upload.
+"""How many layers stay on the GPU for a given free memory and image size, and which of the others
+are pinned in host memory: the one owner of both policies.
 
 Device memory = fixed part (embedders, norms, adaLN, final layer) + resident layers + slots +
 activations + a margin (``device_margin``), where the layers are every block with big matrices:
 the refiners and the main layers. Slots cost as much as resident layers, so their number is chosen
-by simulating a run of steps: uploads can only run ahead of compute by as many layers as there are
-slots, and a few more slots let the copy engine work through the stretches without streamed
-layers (resident layers, the embedders and the sampler between steps) instead of idling. Without a
-compute/copy estimate two slots are used (classic double buffering).
+by simulating a run of steps (``simulation``): uploads can only run ahead of compute by as many
+layers as there are slots, and a few more slots let the copy engine work through the stretches
+without streamed layers (resident layers, the embedders and the sampler between steps) instead of
+idling. Without a compute/copy estimate two slots are used (classic double buffering).
+
+Host memory is planned beside it: a plan names the streamed layers that get pinned masters
+(``Plan.pinned``: the first to run, as far as the host room given in its ``Limits`` holds them and
+they buy time), and the rest are read from the file (the page cache, or the disk) at every upload.
+A plan is a value: the limits it was made under are among its inputs, and nothing edits it after.
 """
 from __future__ import annotations
 
-import functools
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
 from . import compression, host_memory
 from .config import ZImageConfig
-from .streamer import PackLayout, residency_order, staging_bytes
+from .image_size import ImageSize
+from .layout import PackLayout, staging_bytes, streamed_in_order
+from .simulation import block_costs, pinned_needed, simulate_step, step_with_pinned
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -49,6 +52,11 @@ class HostRoom:
     def as_dict(self):
         return asdict(self)
 
+    def for_masters(self, cap: int | None) -> int:
+        """What the masters may take under ``cap`` (ZIMAGE_PINNED_GIB: every copy the pack holds, the
+        fixed part and the staging first); the RAM beyond it stays to the page cache."""
+        return self.layers if cap is None else min(self.layers, max(0, cap - self.fixed))
+
 
 def host_room(cfg: ZImageConfig, available: int, storage=torch.bfloat16, dtype=torch.bfloat16,
               total: int | None = None) -> HostRoom:
@@ -69,12 +77,21 @@ def text_tokens_to_plan(n: int) -> int:
     return max(TEXT_TOKENS, -(-int(n) // TEXT_TOKENS) * TEXT_TOKENS)
 
 
-@dataclass
+@dataclass(frozen=True)
+class Limits:
+    """What a plan may use, given as one value: the user's settings and what the host has room for."""
+    max_resident: int | None = None  # the most layers kept on the device (None: as many as fit)
+    resident: int | None = None      # exactly this many, fitting or not (a benchmark's or a test's split)
+    leave_free: int = 0              # bytes of device memory left to others
+    host_room: int | None = None     # host bytes the streamed layers' masters may take (None: what they need)
+
+
+@dataclass(frozen=True)
 class Plan:
     width: int
     height: int
     batch: int
-    free_bytes: int
+    free_bytes: int                # what the plan had (the device's free memory, less what it leaves to others)
     resident_layers: int
     streamed_layers: int
     slots: int
@@ -82,24 +99,50 @@ class Plan:
     fixed_bytes: int
     activation_bytes: int
     device_bytes: int
-    pinned_host_bytes: int         # the streamed layers' pinned masters
     fits: bool
     on_cpu: bool = False           # computed on the CPU: every layer in host memory, RAM is the limit
     needed_bytes: int = 0          # the least this size needs (with every layer streamed, on a GPU)
     largest_fitting: tuple | None = None  # (width, height) of the same shape that fits, when this does not
-    pinned_layers: int = 0         # streamed layers with a pinned master
-    file_layers: int = 0           # streamed layers read from the file (page cache) at every upload
-    ram_short: int = 0             # of those, layers a master would make faster, for which the RAM has no room
     master_bytes: int = 0          # host bytes of one pinned master (less than layer_bytes where compressed)
+    staging_bytes: int = 0         # host bytes of the staging ring the uploads from the file go through
     text_tokens: int = TEXT_TOKENS  # the prompt's tokens it was planned for (``text_tokens_to_plan``)
+    masters: frozenset = field(default_factory=frozenset)  # streamed layers that get a master where the RAM has room
+    pinned: frozenset = field(default_factory=frozenset)   # of those, the ones the host room holds
 
     @property
     def compressed(self) -> bool:
         """Streamed layers get compressed masters (``compression``)."""
         return self.master_bytes < self.layer_bytes
 
+    @property
+    def pinned_layers(self) -> int:
+        return len(self.pinned)
+
+    @property
+    def file_layers(self) -> int:
+        """Streamed layers read from the file (page cache) at every upload."""
+        return self.streamed_layers - len(self.pinned)
+
+    @property
+    def ram_short(self) -> int:
+        """Of those, layers a master would make faster, for which the RAM has no room."""
+        return len(self.masters) - len(self.pinned)
+
+    @property
+    def pinned_host_bytes(self) -> int:
+        return len(self.pinned) * self.master_bytes
+
+    @property
+    def host_bytes(self) -> int:
+        """What the model holds in host memory under this plan: the fixed part, the staging ring and
+        the pinned masters (what the host budget keeps for it, whichever model's pools come first)."""
+        return self.fixed_bytes + self.staging_bytes + self.pinned_host_bytes
+
     def as_dict(self):
-        return asdict(self)
+        out = asdict(self)
+        out.update(masters=sorted(self.masters), pinned=sorted(self.pinned), pinned_layers=self.pinned_layers,
+                   file_layers=self.file_layers, ram_short=self.ram_short, pinned_host_bytes=self.pinned_host_bytes)
+        return out
 
     def summary(self) -> str:
         n = self.resident_layers + self.streamed_layers
@@ -119,17 +162,6 @@ class Plan:
             return f"Z-Image: on the CPU, all {n} layers in host memory ({size})"
         return f"Z-Image: {self.resident_layers} of {n} layers on the GPU, {self.streamed_layers} streamed{self.sources()} ({size})"
 
-    def force(self, resident: int, host_room: int | None):
-        """Keep ``resident`` layers on the device (clamped to the stack), whatever the plan chose;
-        the others stream through at least two slots, pinned as far as ``host_room`` allows."""
-        n = self.resident_layers + self.streamed_layers
-        self.resident_layers = max(0, min(resident, n))
-        self.streamed_layers = n - self.resident_layers
-        self.slots = 0 if not self.streamed_layers else max(self.slots, 2)
-        self.pinned_layers = _pinned_layers(self.streamed_layers, host_room, self.master_bytes)
-        self.file_layers = self.ram_short = self.streamed_layers - self.pinned_layers
-        self.pinned_host_bytes = self.pinned_layers * self.master_bytes
-
     def sources(self) -> str:
         """How the streamed layers come, when not all plain from pinned memory: " (compressed, 16
         pinned, 5 from the page cache)"."""
@@ -140,16 +172,33 @@ class Plan:
         return f" ({', '.join(parts)})" if parts else ""
 
 
-def _pinned_layers(streamed: int, host_room: int | None, layer_bytes: int) -> int:
+def _host_sets(n: int, resident: int, masters: int, pinned: int) -> dict:
+    """The ``masters`` and ``pinned`` sets of a plan: the first streamed layers to run (masters are
+    made at a layer's first upload, in the order the layers run)."""
+    order = streamed_in_order(n, resident)
+    return dict(masters=frozenset(order[:masters]), pinned=frozenset(order[:pinned]))
+
+
+def _pinned_count(streamed: int, host_room: int | None, layer_bytes: int) -> int:
     """Streamed layers whose masters ``host_room`` holds (None: all of them)."""
     return streamed if host_room is None else min(streamed, max(0, host_room) // layer_bytes)
 
 
-def device_free_bytes(device) -> int:
-    """What this process could allocate on a CUDA ``device`` now: the device's free memory plus
-    what torch's allocator holds unused."""
-    free, _ = torch.cuda.mem_get_info(device)
-    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+def _within(p: Plan, limits: Limits) -> Plan:
+    """``p`` with the resident layers ``limits`` set or cap (the rest stream through at least two
+    slots, pinned as far as the host room allows)."""
+    resident = limits.resident
+    if resident is None and limits.max_resident is not None and p.fits and p.resident_layers > limits.max_resident:
+        resident = limits.max_resident
+    if resident is None:
+        return p
+    n = p.resident_layers + p.streamed_layers
+    r = max(0, min(resident, n))
+    streamed = n - r
+    slots = 0 if not streamed else max(p.slots, 2)
+    device = p.fixed_bytes + p.activation_bytes + (r + slots) * p.layer_bytes if not p.on_cpu else p.device_bytes
+    return replace(p, resident_layers=r, streamed_layers=streamed, slots=slots, device_bytes=device,
+                   **_host_sets(n, r, streamed, _pinned_count(streamed, limits.host_room, p.master_bytes)))
 
 
 def _gib(b):
@@ -185,29 +234,20 @@ def device_margin(activations: int, batch: int = 1) -> int:
     return RESERVE + activations // 5 + (batch - 1) * 96 * MiB
 
 
-def _largest_fitting(width, height, fits) -> tuple | None:
-    """The largest (width, height) of the same shape, sides multiples of 16, for which ``fits``."""
-    lo, hi, best = 1, max(width, height) // 16, None
-    while lo <= hi:  # bisect on the longer side, in steps of 16
-        k = (lo + hi) // 2
-        w, h = _scaled(width, height, 16 * k / max(width, height))
-        if fits(w, h):
-            best, lo = (w, h), k + 1
-        else:
-            hi = k - 1
-    return best
-
-
-def _scaled(width, height, s):
-    return max(16, round(width * s / 16) * 16), max(16, round(height * s / 16) * 16)
+def _largest_fitting(width, height, batch, fits) -> tuple | None:
+    """(width, height) of the largest size of this shape for which ``fits(width, height)``."""
+    best = ImageSize(width, height, batch).largest_fitting(lambda s: fits(s.width, s.height))
+    return None if best is None else (best.width, best.height)
 
 
 def plan_host(cfg: ZImageConfig, free_bytes: int, width: int, height: int, batch: int = 1,
-              dtype=torch.float32, chunk_rows=None, chunk_queries=None, compress: str = "off",
-              text_tokens: int = TEXT_TOKENS) -> Plan:
+              limits: Limits = Limits(), dtype=torch.float32, chunk_rows=None, chunk_queries=None,
+              compress: str = "off", text_tokens: int = TEXT_TOKENS) -> Plan:
     """A forward computed on the CPU: the layers are in host memory already, so what must fit in
     the RAM that is available is the activations (and what the rest of the machine keeps).
     ``compress``: "on" keeps bf16 masters compressed (the reference decode; no bus to save on)."""
+    free_bytes -= limits.leave_free
+
     def need(w, h):
         return activation_bytes(cfg, w, h, batch, text_tokens, dtype=dtype, storage=dtype, chunk_rows=chunk_rows,
                                 chunk_queries=chunk_queries) + HOST_RESERVE
@@ -217,12 +257,14 @@ def plan_host(cfg: ZImageConfig, free_bytes: int, width: int, height: int, batch
     n = cfg.n_blocks
     packed = PackLayout(cfg, dtype)
     layer = packed.nbytes
-    return Plan(width, height, batch, free_bytes, n if fits else 0, 0 if fits else n, 0,
-                layer, cfg.fixed_params() * dtype.itemsize, act, 0, 0, fits, on_cpu=True,
-                needed_bytes=act + HOST_RESERVE,
-                master_bytes=compression.bound(packed.numel) if compress == "on" and dtype == torch.bfloat16 else layer,
-                largest_fitting=None if fits else _largest_fitting(width, height, lambda w, h: need(w, h) <= free_bytes),
-                text_tokens=text_tokens)
+    p = Plan(width, height, batch, free_bytes, n if fits else 0, 0 if fits else n, 0,
+             layer, cfg.fixed_params() * dtype.itemsize, act, 0, fits, on_cpu=True,
+             needed_bytes=act + HOST_RESERVE,
+             master_bytes=compression.bound(packed.numel) if compress == "on" and dtype == torch.bfloat16 else layer,
+             largest_fitting=None if fits else _largest_fitting(width, height, batch,
+                                                                lambda w, h: need(w, h) <= free_bytes),
+             text_tokens=text_tokens, **_host_sets(n, n if fits else 0, 0 if fits else n, 0 if fits else n))
+    return _within(p, limits)
 
 
 def room_for_another(resident: int, slots: int) -> tuple | None:
@@ -246,21 +288,6 @@ def one_layer_less(resident: int, slots: int) -> tuple | None:
     return resident - 1, slots
 
 
-# attention and the elementwise steps run below the matmul rate: on an H200 a resident 1024x1024
-# layer takes 1.09x its FLOPs at that rate with the fused kernels (``attention_input``,
-# ``elementwise``: 2.83 ms) and 1.36x with torch's ops in their place (3.53 ms)
-LAYER_OVER_MATMUL = {True: 1.1, False: 1.36}
-
-
-def compute_copy_ratio(cfg: ZImageConfig, tokens: int, matmul_flops_per_s: float, upload_s: float,
-                       fused: bool = True) -> float:
-    """One layer's compute time over one layer's upload time, from a measured matmul rate and upload;
-    ``fused``: the fused kernels run on that device."""
-    n = tokens
-    layer_flops = 2 * n * cfg.big_layer_params() + 4 * n * n * cfg.dim
-    return layer_flops / matmul_flops_per_s * LAYER_OVER_MATMUL[fused] / upload_s
-
-
 def stack_resident(n_layers: int, layer_bytes: int, free_bytes: int, cap: int | None = None) -> int:
     """Layers of another model's stack (the text encoder) kept on the device: all of them where the
     device has room for the whole stack and a GiB of work besides (the next prompt uploads nothing),
@@ -270,111 +297,27 @@ def stack_resident(n_layers: int, layer_bytes: int, free_bytes: int, cap: int | 
     return min(n_layers if fits else 0, n_layers if cap is None else cap)
 
 
-def simulate_step(n_layers, resident, slots, compute, copy, fixed=0.0, steps=8, decode=0.0) -> float:
-    """Mean time of one of ``steps`` consecutive steps with ``resident`` layers resident (spread
-    as the streamer spreads them). ``compute`` is one layer's compute time, or a list of each
-    layer's; ``copy`` one streamed layer's upload time, or a list of each streamed layer's in the
-    order they run. Each step computes ``fixed`` (embedders, final layer, sampler: no streamed weights),
-    then the layers in order, a streamed one only once its upload is done. Uploads run in order on
-    one copy stream, each into the slot its previous user has finished with; the first step's
-    start with it, and every step queues the next one's first uploads behind its last layers.
-    ``decode``: a streamed layer's decode on the device (a compressed master), or a list of each
-    one's, counted as compute beside the layer (it takes the same SMs)."""
-    # plans repeat on every image with free bytes that differ by a few MiB, which change the split
-    # rarely: the simulations are remembered by their (discrete) arguments
-    return _simulate(n_layers, resident, slots, _key(compute), _key(copy), fixed, steps, _key(decode))
-
-
-def _key(v):
-    return tuple(v) if isinstance(v, (list, tuple)) else v
-
-
-@functools.lru_cache(maxsize=4096)
-def _simulate(n_layers, resident, slots, compute, copy, fixed, steps, decode) -> float:
-    costs = compute if isinstance(compute, (list, tuple)) else [compute] * n_layers
-    keep = set(residency_order(n_layers)[:resident])
-    streamed = n_layers - len(keep)
-    if not streamed:
-        return fixed + sum(costs)
-    copies = copy if isinstance(copy, (list, tuple)) else [copy] * streamed
-    decodes = decode if isinstance(decode, (list, tuple)) else [decode] * streamed
-    k = max(min(slots, streamed), 1)
-    free, ready, copy_end = [0.0] * k, {}, 0.0
-
-    def upload(pos):
-        nonlocal copy_end
-        copy_end = max(copy_end, free[pos % k]) + copies[pos % streamed]
-        ready[pos] = copy_end
-
-    for pos in range(k):
-        upload(pos)
-    t = 0.0
-    for f in range(steps):
-        t += fixed
-        j = 0
-        for i in range(n_layers):
-            if i in keep:
-                t += costs[i]
-                continue
-            pos = f * streamed + j
-            t = max(t, ready[pos]) + costs[i] + decodes[pos % streamed]
-            free[pos % k] = t
-            if j + k < streamed or f + 1 < steps:
-                upload(pos + k)
-            j += 1
-    return t / steps
-
-
-def block_costs(cfg: ZImageConfig, width, height, batch=1, cap_tokens=512) -> list:
-    """Each streamable block's compute relative to a main layer's, in the order they run: a
-    context refiner sees the caption's tokens, a noise refiner the image's, a main layer both."""
-    img, cap = cfg.image_tokens(width, height), cap_tokens
-    r = cfg.n_refiner_layers
-    return [cap / (img + cap)] * r + [img / (img + cap)] * r + [1.0] * cfg.n_layers
-
-
-def pinned_needed(n_layers, resident, slots, costs, fixed, file_copy: float, master_copy: float = 1.0,
-                  decode: float = 0.0) -> int:
-    """The fewest streamed layers that need pinned masters for a step to take no longer (within 1%)
-    than with every one pinned, the others read from the page cache at ``file_copy`` times a
-    plain pinned upload (a master's upload takes ``master_copy`` of that, and ``decode`` on the
-    device, where it is compressed). Masters are made at first upload, so the pinned ones are the
-    first to run."""
-    streamed = n_layers - resident
-    best = simulate_step(n_layers, resident, slots, costs, master_copy, fixed, decode=decode)
-    for pinned in range(streamed):
-        if _step_with_pinned(n_layers, resident, slots, costs, fixed, pinned, file_copy, master_copy,
-                            decode) <= best * 1.01:
-            return pinned
-    return streamed
-
-
-def _step_with_pinned(n_layers, resident, slots, costs, fixed, pinned, file_copy, master_copy=1.0, decode=0.0):
-    """``simulate_step`` with the first ``pinned`` streamed layers uploaded from masters (each
-    ``master_copy`` of a plain upload, and ``decode`` on the device) and the rest read plain from
-    the page cache at ``file_copy``."""
-    rest = n_layers - resident - pinned
-    return simulate_step(n_layers, resident, slots, costs, [master_copy] * pinned + [file_copy] * rest, fixed,
-                         decode=[decode] * pinned + [0.0] * rest)
-
-
 def plan(cfg: ZImageConfig, free_bytes: int, width: int, height: int, batch: int = 1,
-         storage=torch.bfloat16, dtype=torch.bfloat16, compute_copy_ratio: float | None = None,
-         host_room: int | None = None, file_copy: float | None = None, compress: str = "off",
+         limits: Limits = Limits(), storage=torch.bfloat16, dtype=torch.bfloat16,
+         compute_copy_ratio: float | None = None, file_copy: float | None = None, compress: str = "off",
          decode: float = 0.0, text_tokens: int = TEXT_TOKENS) -> Plan:
-    """The split for ``free_bytes`` of device memory; ``host_room``: host bytes the streamed layers'
-    masters may take (None: as many as they need). With ``file_copy`` (a layer's upload from the
-    page cache through the staging ring, over one from a pinned master) only the streamed layers
-    whose masters buy time are pinned: pinned memory is RAM that nothing else can use, while the
-    page cache gives way when the machine needs it. ``compress`` ("off", "on" or "auto"): bf16
-    masters stored compressed (``compression``), fewer bytes in host memory and over the bus for
-    a little device memory and ``decode`` (a layer's decode on the device, in plain uploads of a
-    layer, counted as compute beside each streamed layer: ``compute_copy_ratio`` is in the same
-    unit). "on" compresses wherever the decode's two device buffers fit beside the rest; "auto"
-    where that also makes the simulated step at least 2% shorter: where the copies hide behind the
-    compute anyway, the decode only adds to it (``Plan.compressed``)."""
-    args = (cfg, free_bytes, width, height, batch, storage, dtype, compute_copy_ratio, host_room, file_copy,
-            text_tokens)
+    """The split for ``free_bytes`` of device memory under ``limits``. With ``file_copy`` (a layer's
+    upload from the page cache through the staging ring, over one from a pinned master) only the
+    streamed layers whose masters buy time are pinned: pinned memory is RAM that nothing else can
+    use, while the page cache gives way when the machine needs it. ``compress`` ("off", "on" or
+    "auto"): bf16 masters stored compressed (``compression``), fewer bytes in host memory and over
+    the bus for a little device memory and ``decode`` (a layer's decode on the device, in plain
+    uploads of a layer, counted as compute beside each streamed layer: ``compute_copy_ratio`` is in
+    the same unit). "on" compresses wherever the decode's two device buffers fit beside the rest;
+    "auto" where that also makes the simulated step at least 2% shorter: where the copies hide
+    behind the compute anyway, the decode only adds to it (``Plan.compressed``)."""
+    args = (cfg, free_bytes - limits.leave_free, width, height, batch, storage, dtype, compute_copy_ratio,
+            limits.host_room, file_copy, text_tokens)
+    return _within(_with_compression(args, compress, decode, storage), limits)
+
+
+def _with_compression(args, compress, decode, storage) -> Plan:
+    """``_plan`` plain or compressed, as ``compress`` asks (``plan``)."""
     if compress == "off" or storage != torch.bfloat16:
         return _plan(*args)[0]
     packed, packed_step = _plan(*args, compress=True, decode=decode)
@@ -428,14 +371,16 @@ def _plan(cfg, free_bytes, width, height, batch, storage, dtype, compute_copy_ra
         return fixed + a + device_margin(a, batch) + (layer + (CODEC_BYTES if compress else 0) if n else 0)
 
     if not fits:
-        streamed = needed = n
-    pinned = min(needed, _pinned_layers(streamed, host_room, master))
+        r, streamed = 0, n
+        needed = n
+    pinned = min(needed, _pinned_count(streamed, host_room, master))
     step = None
     if fits and compute_copy_ratio is not None:
-        step = _step_with_pinned(n, r, k, costs, before, pinned, file_copy or 1.0, master_copy, decode)
-    return Plan(width, height, batch, free_bytes, r if fits else 0, streamed, k if fits else 0,
-                layer, fixed, act, fixed + act + (r + k) * layer if fits else 0, pinned * master, fits,
+        step = step_with_pinned(n, r, k, costs, before, pinned, file_copy or 1.0, master_copy, decode)
+    return Plan(width, height, batch, free_bytes, r, streamed, k if fits else 0,
+                layer, fixed, act, fixed + act + (r + k) * layer if fits else 0, fits,
                 needed_bytes=need(width, height),
-                largest_fitting=None if fits else _largest_fitting(width, height, lambda w, h: need(w, h) <= free_bytes),
-                pinned_layers=pinned, file_layers=streamed - pinned, ram_short=needed - pinned,
-                master_bytes=master, text_tokens=text_tokens), step
+                largest_fitting=None if fits else _largest_fitting(width, height, batch,
+                                                                   lambda w, h: need(w, h) <= free_bytes),
+                master_bytes=master, staging_bytes=staging_bytes(packed), text_tokens=text_tokens,
+                **_host_sets(n, r, needed, pinned)), step

@@ -24,8 +24,10 @@ import torch
 
 from . import planner
 from .device_copies import DeviceCopies, copy_source, module_tensors
+from .devices import device_free_bytes, device_of
 from .host_memory import HostPool
-from .streamer import LayerStreamer, PackLayout, device_of
+from .layout import PackLayout, StreamConfig
+from .streamer import LayerStreamer
 
 
 class UnsupportedStack(ValueError):
@@ -76,8 +78,8 @@ class StreamedStack:
             it = iter(locked)
             params = [{k: next(it) for k in p} for p in params]
         sources = [{k: [(0, copy_source(t))] for k, t in p.items()} for p in params]
-        self.streamer = LayerStreamer(self.layout, sources, self.device, pool, masters=False,
-                                      pinned_sources=locked is not None)
+        config = StreamConfig(self.layout, self.device, masters=False, pinned_sources=locked is not None)
+        self.streamer = LayerStreamer(config, sources, pool)
         self.n_slots = min(slots, len(self.layers))
         inside = {id(m) for m in self.layers.modules()}
         # tables the model keeps in host memory (not on the meta device, which the file left empty)
@@ -106,7 +108,7 @@ class StreamedStack:
             self.streamer.configure(self._resident_layers(), self.n_slots)
 
     def _resident_layers(self) -> int:
-        free = planner.device_free_bytes(self.device) if self.device.type == "cuda" else 0
+        free = device_free_bytes(self.device) if self.device.type == "cuda" else 0
         return planner.stack_resident(len(self.layers), self.layout.nbytes, free, self.max_resident)
 
     def unload(self) -> int:

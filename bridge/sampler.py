@@ -15,6 +15,8 @@ import comfy.samplers
 import comfy.utils
 import latent_preview
 
+from ..zimage_core.image_size import ImageSize
+
 log = logging.getLogger("zimage")
 
 SAMPLERS = comfy.samplers.KSampler.SAMPLERS
@@ -45,15 +47,14 @@ def zero_conditioning(conditioning):
     return out
 
 
-def sample(model, positive, negative, width, height, batch_size, seed, steps, cfg, shift, sampler_name,
-           scheduler, on_status=None):
-    """Latents of ``batch_size`` images from empty latents, sampled as ComfyUI's KSampler samples
+def sample(model, positive, negative, size: ImageSize, seed, steps, cfg, shift, sampler_name, scheduler,
+           on_status=None):
+    """Latents of ``size.batch`` images from empty latents, sampled as ComfyUI's KSampler samples
     them (its noise, its samplers, its previews and progress bar) on ``shifted_sigmas``. With a
     streamed transformer, ``on_status(text)`` hears the split while it samples."""
     transformer = getattr(model, "zimage", None)
     with contextlib.nullcontext() if transformer is None or on_status is None else transformer.status_to(on_status):
-        latent = torch.zeros([batch_size, 16, height // 8, width // 8],
-                             device=comfy.model_management.intermediate_device())
+        latent = torch.zeros(size.latent_shape(16), device=comfy.model_management.intermediate_device())
         latent = comfy.sample.fix_empty_latent_channels(model, latent)
         noise = comfy.sample.prepare_noise(latent, seed)
         preview = latent_preview.prepare_callback(model, steps)

@@ -9,7 +9,7 @@ import torch
 
 import comfy.model_management as mm
 
-from ..device_copies import DeviceCopies, module_tensors
+from ..zimage_core.device_copies import DeviceCopies, module_tensors
 from .memory import on_an_emptied_gpu_after_oom
 from .model import take_back_memory
 from .pinned import pinned_patcher, run_dtypes

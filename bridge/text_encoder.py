@@ -7,13 +7,12 @@ import time
 import comfy.model_management as mm
 import torch
 
-from .. import planner
-from .. import environment
-from ..config import FULL
-from ..errors import TextEncoderError
-from ..host_memory import BUDGET, available_ram
-from ..stack_streaming import StreamedStack
-from ..transformer import check_kernels_soon
+from ..zimage_core import environment, planner
+from ..zimage_core.config import FULL
+from ..zimage_core.errors import TextEncoderError
+from ..zimage_core.host_memory import BUDGET, available_ram
+from ..zimage_core.stack_streaming import StreamedStack
+from ..zimage_core.transformer import check_kernels_soon
 from .memory import on_an_emptied_gpu_after_oom
 from .pinned import pinned_patcher
 from .prompt import files_upstream

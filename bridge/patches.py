@@ -26,7 +26,8 @@ import comfy.model_management as mm
 import comfy.model_patcher
 import comfy.utils
 
-from ..errors import PatchError
+from ..zimage_core.errors import PatchError
+from ..zimage_core.weights import Weights
 from .prompt import files_of_running_node
 
 # comfy.utils since v0.20; the old place still answers there, with a warning at every call
@@ -57,19 +58,19 @@ def remember_sources(patches: dict, added):
             pass
 
 
-def apply(patcher, t):
-    """Bring ``patcher``'s weight patches into transformer ``t`` (once per patch set): the streamed
-    layers' through ``LayerStreamer.set_patch``, the fixed part's written in place (keys a previous
-    set patched there and this one does not are restored from the file)."""
-    if t.patches_uuid == patcher.patches_uuid:
+def apply(patcher, w: Weights):
+    """Bring ``patcher``'s weight patches into a transformer's weights ``w`` (once per patch set): the
+    streamed layers' on the device as they arrive (``Weights.patch_layers``), the fixed part's written
+    in place (keys a previous set patched there and this one does not are restored from the file)."""
+    if w.patches_uuid == patcher.patches_uuid:
         return
     wanted = {k for k in patcher.patches if k.startswith(PREFIX)}
-    layered = {k for k in wanted if t._big_slot(k[len(PREFIX):]) is not None}
-    fixed_unchanged = _apply_fixed(patcher, t, wanted - layered)
-    layers = LayerPatches(t, patcher.patches, layered, len(wanted - layered) - fixed_unchanged, fixed_unchanged) \
+    layered = {k for k in wanted if w.layer_of(k[len(PREFIX):]) is not None}
+    fixed_unchanged = _apply_fixed(patcher, w, wanted - layered)
+    layers = LayerPatches(w, patcher.patches, layered, len(wanted - layered) - fixed_unchanged, fixed_unchanged) \
         if layered else None
-    t.streamer.set_patch(layers)
-    t.patches_uuid = patcher.patches_uuid
+    w.patch_layers(layers)
+    w.patches_uuid = patcher.patches_uuid
     if wanted and layers is None:
         _say_count(len(wanted) - fixed_unchanged, fixed_unchanged)
 
@@ -80,10 +81,10 @@ def _say_count(changed, unchanged):
              if unchanged else "")
 
 
-def _held_dtype(t, name, dtype):
+def _held_dtype(w, name, dtype):
     """The dtype a patched weight is rounded to: the one ComfyUI's own model holds it in (the file's,
     where the pack keeps a tensor of an fp8 file wider), else ``dtype``, the pack's."""
-    stored = t.ckpt.dtype(name)
+    stored = w.stored_dtype(name)
     return stored if stored.itemsize == 1 else dtype
 
 
@@ -105,30 +106,30 @@ def _checks(out, value, weight) -> tuple:
     return finite, (value.view(torch.uint8) != weight.view(torch.uint8)).any()
 
 
-def _apply_fixed(patcher, t, wanted) -> int:
+def _apply_fixed(patcher, w, wanted) -> int:
     """The fixed-part weights of ``wanted``, patched where they live (restoring those a previous
     set patched and this one does not). Returns how many came out unchanged."""
     written, unchanged = set(), 0
     try:
-        for key in sorted(wanted | t.patched_keys):
+        for key in sorted(wanted | w.patched_keys):
             name = key[len(PREFIX):]
-            base = t.base_weight(name)
+            base = w.base(name)
             value = base
             if key in wanted:
-                on_device = base.to(t.device)  # uploaded once: patched from it, compared with it
-                out, value = _patched(patcher.patches[key], on_device, key, _held_dtype(t, name, base.dtype),
+                on_device = base.to(w.device)  # uploaded once: patched from it, compared with it
+                out, value = _patched(patcher.patches[key], on_device, key, _held_dtype(w, name, base.dtype),
                                       string_to_seed(key))
                 finite, changed = _checks(out, value, on_device)
                 if not bool(finite):
                     raise PatchError(_blame(patcher.patches[key], name))
                 unchanged += not bool(changed)
-            t.set_weight(name, value)
+            w.set(name, value)
             written.add(key)
     except BaseException:
         # what was written stays recorded (the next patch set restores it); this set is not applied
-        t.patched_keys, t.patches_uuid = t.patched_keys | written, None
+        w.patched_keys, w.patches_uuid = w.patched_keys | written, None
         raise
-    t.patched_keys = wanted
+    w.patched_keys = wanted
     return unchanged
 
 
@@ -157,16 +158,16 @@ class LayerPatches:
     each result on the device; ``verify`` reads the checks once, names a LoRA that made a weight NaN,
     drops the patches that changed nothing and says the count."""
 
-    def __init__(self, t, patches: dict, keys, fixed_changed: int, fixed_unchanged: int):
-        self.t = t
+    def __init__(self, w: Weights, patches: dict, keys, fixed_changed: int, fixed_unchanged: int):
+        self.w = w
         self.sources = {k: patches[k] for k in keys}  # ComfyUI's own entries: what ``_blame`` reads
         self.by_layer = {}
         for key in sorted(keys):
             name = key[len(PREFIX):]
-            layer, matrix = t._big_slot(name)
-            entries = [(strength, _on_device(data, t.device), *rest) for strength, data, *rest in patches[key]]
+            layer, matrix = w.layer_of(name)
+            entries = [(strength, _on_device(data, w.device), *rest) for strength, data, *rest in patches[key]]
             self.by_layer.setdefault(layer, []).append(
-                (matrix, key, entries, _held_dtype(t, name, t.storage_dtype), string_to_seed(key)))
+                (matrix, key, entries, _held_dtype(w, name, w.storage_dtype), string_to_seed(key)))
         self.layers = set(self.by_layer)
         self._unchecked = set(keys)   # keys whose first result has not been read back yet
         self._checks = {}             # key -> (finite, changed): 0-d bools on the device
@@ -189,11 +190,11 @@ class LayerPatches:
         for key, (finite, changed) in zip(checks, flags):
             self._unchecked.discard(key)
             if not finite:
-                self.t.patches_uuid = None  # the next prompt applies its patches anew (and restores the layers)
+                self.w.patches_uuid = None  # the next prompt applies its patches anew (and restores the layers)
                 raise PatchError(_blame(self.sources[key], key[len(PREFIX):]))
             self._changed += changed
             if not changed:  # strength 0, or refused by ComfyUI: nothing to compute at the next upload
-                layer = self.t._big_slot(key[len(PREFIX):])[0]
+                layer = self.w.layer_of(key[len(PREFIX):])[0]
                 self.by_layer[layer] = [e for e in self.by_layer[layer] if e[1] != key]
         self.layers = {i for i, entries in self.by_layer.items() if entries}
         if not self._unchecked:

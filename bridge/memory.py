@@ -9,10 +9,11 @@ import torch
 
 import comfy.model_management as mm
 
-from .. import planner
-from ..config import ZImageConfig
-from ..environment import pinned_cap
-from ..host_memory import BUDGET, available_ram, cache_headroom, total_ram
+from ..zimage_core import planner
+from ..zimage_core.config import FULL
+from ..zimage_core.devices import device_free_bytes
+from ..zimage_core.environment import pinned_cap
+from ..zimage_core.host_memory import BUDGET, available_ram, cache_headroom, total_ram
 
 log = logging.getLogger("zimage")
 
@@ -43,8 +44,7 @@ def plan_host_budget(device):
                  " (ZIMAGE_PINNED_GIB caps it)" if pinned_cap() is not None else "")
     BUDGET.headroom = headroom
     if "transformer" not in BUDGET.claims and torch.device(device).type == "cuda":
-        p = planner.plan(ZImageConfig(), planner.device_free_bytes(device), 1024, 1024)
-        BUDGET.claim("transformer", p.streamed_layers * p.layer_bytes + planner.host_room(ZImageConfig(), 0).fixed)
+        BUDGET.claim("transformer", planner.plan(FULL, device_free_bytes(device), 1024, 1024).host_bytes)
 
 
 def on_an_emptied_gpu_after_oom(run, device, what):

@@ -11,8 +11,8 @@ import comfy.model_management as mm
 import comfy.model_patcher
 import comfy.patcher_extension
 
-from ..host_memory import HostPool
-from ..stack_streaming import UnsupportedStack
+from ..zimage_core.host_memory import HostPool
+from ..zimage_core.stack_streaming import UnsupportedStack
 from .memory import plan_host_budget
 
 log = logging.getLogger("zimage")

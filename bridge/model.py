@@ -19,10 +19,11 @@ import comfy.model_management as mm
 import comfy.model_patcher
 import comfy.supported_models
 
-from .. import planner
-from ..checkpoint import Checkpoint
-from ..errors import OutOfDeviceMemory
-from ..transformer import COMPUTE_DTYPES, STORAGE_DTYPES, Settings, ZImageTransformer
+from ..zimage_core import planner
+from ..zimage_core.checkpoint import Checkpoint
+from ..zimage_core.errors import OutOfDeviceMemory
+from ..zimage_core.image_size import ImageSize
+from ..zimage_core.transformer import COMPUTE_DTYPES, STORAGE_DTYPES, Settings, ZImageTransformer
 from .memory import plan_host_budget
 from .patches import apply as apply_patches, remember_sources
 
@@ -41,9 +42,7 @@ class ZImageModel(comfy.model_base.Lumina2):
     one is several times larger and would make it evict layers for nothing."""
 
     def memory_required(self, input_shape, cond_shapes={}):
-        t = self.diffusion_model
-        b, h, w = input_shape[0], input_shape[-2] * 8, input_shape[-1] * 8
-        return planner.activation_bytes(t.cfg, w, h, b, dtype=t.dtype, storage=t.storage_dtype)
+        return self.diffusion_model.activation_bytes(ImageSize.of_latent(input_shape))
 
     def extra_conds(self, **kwargs):
         """ComfyUI's conds, with the prompt's embeddings put on the device once per sampling run.
@@ -77,9 +76,8 @@ class ZImagePatcher(comfy.model_patcher.ModelPatcher):
         the first forward plans for it, and plans again if it differs from the last."""
         t = self.zimage
         t.to_device()
-        apply_patches(self, t)
-        if t.plan is not None:
-            t.prepare(t.plan.width, t.plan.height, t.plan.batch, text_tokens=t.plan.text_tokens)
+        apply_patches(self, t.weights)
+        t.restore_split()
         self._sync()
 
     def partially_load(self, device_to, extra_memory=0, force_patch_weights=False):
@@ -100,13 +98,13 @@ class ZImagePatcher(comfy.model_patcher.ModelPatcher):
         return 0, 0
 
     def pinned_memory_size(self):
-        return self.zimage.streamer.pool.used
+        return self.zimage.pinned_bytes
 
     def partially_unload(self, device_to, memory_to_free=0, force_patch_weights=False):
         freed = self.zimage.evict(memory_to_free)
         self._sync()
         log.info("Z-Image: made room for another model: %.2f GiB freed (%d layers stay on the GPU)",
-                 freed / planner.GiB, self.zimage.streamer.n_resident)
+                 freed / planner.GiB, self.zimage.resident_layers)
         return freed
 
     def unpatch_model(self, device_to=None, unpatch_weights=True):
@@ -120,10 +118,10 @@ class ZImagePatcher(comfy.model_patcher.ModelPatcher):
         return now, uploading in the background (while ComfyUI saves the image), so that the next
         image's first step does not wait for them."""
         t = self.zimage
-        if not (t.streamer.cuda and t.on_device and t.plan is not None):
+        if not (t.device.type == "cuda" and t.on_device):
             return
         try:
-            t.prepare(t.plan.width, t.plan.height, t.plan.batch, text_tokens=t.plan.text_tokens)
+            t.restore_split()
         except OutOfDeviceMemory:
             return  # someone else holds the memory now: the next sampling run plans with what is left
         finally:
@@ -133,7 +131,7 @@ class ZImagePatcher(comfy.model_patcher.ModelPatcher):
         """Keep the bookkeeping ComfyUI reads off the module in step with the transformer."""
         t = self.zimage
         self.model.model_loaded_weight_memory = t.device_bytes()
-        self.model.model_lowvram = t.streamer.n_streamed > 0 or not t.on_device
+        self.model.model_lowvram = t.partly_loaded
         self.model.device = t.device if t.on_device else self.offload_device
 
 
@@ -159,7 +157,7 @@ def describe(model, unet_name) -> str:
     """The loader's one line about a loaded MODEL: its layers, and where they are kept."""
     t = model.zimage
     n = t.cfg.n_blocks
-    held = "read from the file as the first image needs them" if t.streamer.cuda else "in host memory (CPU)"
+    held = "read from the file as the first image needs them" if t.device.type == "cuda" else "in host memory (CPU)"
     return f"Z-Image: {unet_name}: {n} layers ({t.cfg.n_layers} main, {n - t.cfg.n_layers} refiners), {held}"
 
 
@@ -185,8 +183,7 @@ def load_model(path, weight_dtype="default", settings: Settings = Settings()):
     # an interrupt is seen between blocks (and, on the CPU, between pieces of one), not only between steps
     t = ZImageTransformer.load(path, device=load_device, dtype=_DTYPE_NAMES[compute], weight_dtype=storage_name,
                                settings=settings, initial_device=offload_device,
-                               check_interrupt=mm.throw_exception_if_processing_interrupted)
-    t.model.set_attention(comfy_attention)
+                               check_interrupt=mm.throw_exception_if_processing_interrupted, attention=comfy_attention)
     base = ZImageModel(model_config, device=None)
     base.diffusion_model = t
     return ZImagePatcher(base, load_device=load_device, offload_device=offload_device)

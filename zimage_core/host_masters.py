@@ -1,0 +1,228 @@
+"""The host side of a layer stream: where each layer's bytes come from for an upload.
+
+A layer's five big matrices come from its source (the checkpoint file, or another model's own
+tensors). A streamed layer that the plan names (``HostMasters.plan``) gets one host master at its
+first upload: a packed buffer taken from a ``HostPool`` (pinned on CUDA) when the host budget has
+room for it, so loading pins nothing and the first forward pins as it goes. Where the stream
+compresses, a bf16 master is stored compressed (``compression``: about 0.75 of the bytes) and
+decoded on the device at every upload, bit for bit. A layer without a master (resident layers,
+and streamed layers the plan leaves in the page cache or past the budget) is read from its source
+a chunk at a time into a ring of small pinned staging buffers, each read overlapping the upload
+from the other, with the kernel asked to read the next layer's bytes ahead; no weight is held in
+host memory twice. Masters and sources are never written for a weight patch (``streamer``).
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import time
+
+import torch
+
+from . import compression
+from .host_memory import HostPool
+from .layout import STAGING_BUFFERS, StreamConfig, staging_bytes, staging_chunk
+
+# a master's encode reads the next staging buffer from the file on this thread while the device
+# encodes the last one (one thread: the reads themselves run on the file's reader threads)
+_READER = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="zimage-prefill")
+
+
+class HostMasters:
+    def __init__(self, config: StreamConfig, sources: list, pool: HostPool):
+        """``sources[i]`` is layer i's {name: [(row, tensor or StoredTensor)]} pieces."""
+        self.config, self.layout, self.sources, self.pool = config, config.layout, sources, pool
+        self.device = config.device
+        n = len(sources)
+        self.compress = config.can_compress  # whether new masters are compressed: the plan's (``plan``)
+        self.wanted = None                   # layers that get a master at their first upload; None: every streamed one
+        self.host = [None] * n               # packed host masters (pinned where possible)
+        self.codes = [None] * n              # the chunks of the masters stored compressed
+        self.runs = [None] * n               # their runs and tables on the device (``streamer``'s decode)
+        self.encode_seconds = 0.0            # spent encoding masters (what compression adds to a first image)
+        self._staging = []                   # [host buffer, event of its last upload or None]
+        self.chunk = staging_chunk(self.layout)  # elements per staging buffer
+        self._stage_next = 0
+
+    def plan(self, wanted: frozenset | None = None, compress: bool | None = None):
+        """The layers that get a master at their first upload as a streamed layer (None: as before;
+        masters made before stay), and whether masters made from now on are compressed, where the
+        stream can (None: as before)."""
+        if wanted is not None:
+            self.wanted = frozenset(wanted)
+        if compress is not None:
+            self.compress = compress and self.config.can_compress
+
+    @property
+    def master_bytes(self) -> int:
+        """Host bytes of one master (a compressed one is sized for the most exceptions it may hold)."""
+        return compression.bound(self.layout.numel) if self.compress else self.layout.nbytes
+
+    @property
+    def pinned_layers(self) -> int:
+        return sum(h is not None and self.pool.holds(h) for h in self.host)
+
+    @property
+    def master_layers(self) -> int:
+        return sum(h is not None for h in self.host)
+
+    def wants_master(self, i) -> bool:
+        """Streamed layer i gets its master at this upload."""
+        return self.config.masters and self.host[i] is None and (self.wanted is None or i in self.wanted)
+
+    def make_master(self, i, dst=None, plain=False) -> bool:
+        """Pack layer i into a master from the pool, if it has room: compressed where the stream
+        compresses and the layer's weights allow it (then ``dst``, where given, holds the layer
+        too: it was encoded from there), else (or with ``plain``) plain."""
+        if self.compress and not plain:
+            buf, codes = self._encode(i, dst)
+            if buf is None:
+                return False
+            if codes is not None:
+                self.host[i], self.codes[i] = buf, codes
+                if self.config.cuda:  # made here, where the encode waits for the device anyway: a table's
+                    # upload from pageable memory waits for its stream, which at upload time is busy
+                    self.runs[i] = [(run, compression.table(run, self.device)) for run in compression.groups(codes)]
+                self.layout.drop(self.sources[i])
+                return True
+            self.pool.free(buf)  # too many exceptions for the bound: a plain master
+        buf = self.pool.allocate(self.layout.numel, self.layout.dtype)
+        if buf is None:
+            return False
+        try:
+            self.layout.fill(buf, self.sources[i])
+        except BaseException:  # an interrupt or a file that changed: no half-filled master stays
+            self.pool.free(buf)
+            raise
+        self.host[i] = buf
+        self.layout.drop(self.sources[i])
+        return True
+
+    def _encode(self, i, dst=None) -> tuple:
+        """Layer i compressed into a master from the pool (allocated and pinned while the first read
+        runs), a staging buffer at a time: read from its source (on the reading thread, the next
+        buffer while this one is encoded), copied to the device (into ``dst`` where given, which
+        then holds the layer), encoded there a chunk at a time (a CPU takes seconds a layer), the
+        bytes copied back. Returns (the master, its chunks): (None, None) where the pool has no
+        room, chunks None where one has more exceptions than the master was sized for."""
+        self._make_staging()
+        ring = [host for host, _ in self._staging]
+        for _, done in self._staging:
+            if done is not None:
+                done.synchronize()  # its last upload has left it
+        per = max(compression.CHUNK, self.chunk // compression.CHUNK * compression.CHUNK)  # whole chunks a buffer
+        inference = torch.is_inference_mode_enabled()  # per thread: the ring may be inference tensors
+        spans = [(start, min(per, self.layout.numel - start)) for start in range(0, self.layout.numel, per)]
+
+        def read(k):
+            start, n = spans[k]
+            with torch.inference_mode(inference):
+                part = ring[k % len(ring)][:n].zero_()  # the gaps between matrices too: garbage there would be exceptions
+                self.layout.fill(part, self.sources[i], start)
+            return part
+
+        chunks, offset = [], 0
+        pending = _READER.submit(read, 0)
+        buf = self.pool.allocate(self.master_bytes, torch.uint8)
+        try:
+            if buf is None:
+                return None, None
+            for k, (start, n) in enumerate(spans):
+                part, pending = pending.result(), None
+                ahead = k + 1 < len(spans)
+                if ahead and len(ring) > 1:  # into the other buffer while this one crosses
+                    pending = _READER.submit(read, k + 1)
+                on_device = part.to(self.device) if dst is None else dst[start:start + n].copy_(part)
+                if ahead and pending is None:  # one buffer only: free once it has crossed
+                    pending = _READER.submit(read, k + 1)
+                begin = time.perf_counter()
+                for a, m in compression.pieces(n):
+                    base, n_exc, packed = compression.encode(on_device[a:a + m])
+                    if n_exc > compression.max_exceptions(m):
+                        return buf, None
+                    buf[offset:offset + packed.numel()].copy_(packed)
+                    chunks.append(compression.Chunk(start + a, m, offset, n_exc, base))
+                    offset += packed.numel()
+                self.encode_seconds += time.perf_counter() - begin  # the copies back waited for the encode
+        except BaseException:  # an interrupt or a file that changed: no half-filled master stays
+            if buf is not None:
+                self.pool.free(buf)
+            raise
+        finally:
+            if pending is not None:
+                pending.exception()  # no read into the ring outlives this call
+        return buf, tuple(chunks)
+
+    def ensure_plain(self, i):
+        """A plain packed host master for layer i even past the budget (then pageable memory), for a
+        weight written into it (``set_weight``): never a compressed one, whose bytes are codes. No
+        upload may be reading layer i's master (the caller has waited for them)."""
+        if self.codes[i] is not None:
+            buf = self.pool.allocate(self.layout.numel, self.layout.dtype)
+            if buf is None:
+                buf = torch.empty(self.layout.numel, dtype=self.layout.dtype)
+            compression.decode_all(self.codes[i], self.host[i], buf)
+            self.pool.free(self.host[i])
+            self.host[i], self.codes[i], self.runs[i] = buf, None, None
+        if self.host[i] is None and not self.make_master(i, plain=True):
+            buf = torch.empty(self.layout.numel, dtype=self.layout.dtype)
+            self.layout.fill(buf, self.sources[i])
+            self.host[i] = buf
+
+    def copy_into(self, i, dst):
+        """Layer i into ``dst`` from its plain master, or without one straight from its source
+        (asynchronously where the sources are locked in place)."""
+        if self.host[i] is not None:
+            dst.copy_(self.host[i], non_blocking=self.config.cuda)
+        else:
+            self.layout.fill(dst, self.sources[i], pinned=self.config.pinned_sources)
+
+    # -- staging ----------------------------------------------------------------------------
+
+    def staging_due(self) -> int:
+        """Host bytes the staging ring takes when it is made (0 once it is)."""
+        return 0 if self._staging else staging_bytes(self.layout)
+
+    def staging(self) -> torch.Tensor:
+        """A staging buffer (made if there is none yet); the uploads must not be using the ring."""
+        self._make_staging()
+        return self._staging[0][0]
+
+    def _make_staging(self):
+        if not self._staging:
+            for _ in range(STAGING_BUFFERS):
+                buf = self.pool.allocate(self.chunk, self.layout.dtype)
+                if buf is None:
+                    break
+                self._staging.append([buf, torch.cuda.Event() if self.config.cuda else None])
+            if not self._staging:
+                self._staging.append([torch.empty(self.chunk, dtype=self.layout.dtype), None])
+
+    def stage(self, i, dst):
+        """Upload layer i from its source through the staging buffers, a chunk at a time: pinned ones
+        when the pool has room (the read into one runs while the others' uploads are on the bus),
+        else one pageable buffer and synchronous copies (always on the CPU)."""
+        self._make_staging()
+        for start in range(0, self.layout.numel, self.chunk):
+            buf, done = self._staging[self._stage_next]
+            self._stage_next = (self._stage_next + 1) % len(self._staging)
+            if done is not None:
+                done.synchronize()  # its previous upload has left it
+            n = min(self.chunk, self.layout.numel - start)
+            self.layout.fill(buf[:n], self.sources[i], start)
+            if done is None:
+                dst[start:start + n].copy_(buf[:n])
+            else:
+                dst[start:start + n].copy_(buf[:n], non_blocking=True)
+                done.record(torch.cuda.current_stream(self.device))
+
+    def read_ahead(self, i):
+        """The OS starts reading layer i's bytes, where it has no master."""
+        if self.host[i] is None:
+            self.layout.advise(self.sources[i])
+
+    def release(self):
+        """Drop every master and staging buffer (pinned memory goes back to the OS)."""
+        n = len(self.sources)
+        self.host, self.codes, self.runs = [None] * n, [None] * n, [None] * n
+        self._staging, self._stage_next = [], 0
+        self.pool.release_all()

@@ -1,0 +1,151 @@
+"""How a layer's big matrices lie in one flat buffer, the order in which layers become resident, and
+the one config a layer stream is built from: what the host side (``host_masters``) and the device
+schedule (``streamer``) share, and what the planner sizes its plans by."""
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .config import ZImageConfig
+from .devices import device_of
+from .dit import BigWeights
+from .host_memory import advise_mapped
+from .safetensors_file import read_many
+
+ALIGN = 256  # bytes; every matrix starts on the same alignment in every buffer
+# Uploads without a host master go through a ring of small pinned buffers, a chunk at a time: the
+# read into one overlaps the upload from the other. Two are enough: the upload thread fills them
+# (measured on an H200, every layer from the page cache: the same step time with two as with four),
+# and the ring costs 128 MiB of pinned memory per model instead of two whole layers (0.66 GiB for
+# Z-Image, 0.38 for Qwen3-4B).
+STAGING_CHUNK = 64 << 20  # bytes
+STAGING_BUFFERS = 2
+
+
+def staging_chunk(layout) -> int:
+    """Elements of one staging buffer: a chunk, or the whole layer where it is smaller."""
+    return min(layout.numel, STAGING_CHUNK // layout.dtype.itemsize)
+
+
+def staging_bytes(layout) -> int:
+    """Host bytes of a stream's staging ring."""
+    return STAGING_BUFFERS * staging_chunk(layout) * layout.dtype.itemsize
+
+
+@functools.lru_cache(maxsize=None)
+def residency_order(n: int) -> tuple:
+    """The order in which layers become resident: each next one in the middle of the longest
+    run of streamed layers (the earliest of equal runs), so that the resident layers are spread
+    evenly through the stack for every count, and one more or one fewer moves no other layer."""
+    runs, order = [(0, n)], []
+    while runs:
+        a, b = max(runs, key=lambda run: (run[1] - run[0], -run[0]))
+        runs.remove((a, b))
+        m = (a + b) // 2
+        order.append(m)
+        runs += [run for run in ((a, m), (m + 1, b)) if run[1] > run[0]]
+    return tuple(order)
+
+
+def streamed_in_order(n: int, resident: int) -> list:
+    """The layers that stream when ``resident`` of ``n`` stay on the device, in the order they run."""
+    keep = set(residency_order(n)[:resident])
+    return [i for i in range(n) if i not in keep]
+
+
+class PackLayout:
+    """Where each tensor of a layer sits inside one flat per-layer buffer."""
+
+    def __init__(self, shapes, dtype: torch.dtype):
+        """``shapes``: a ``ZImageConfig`` (its five big matrices, viewed as ``BigWeights``) or any
+        {name: shape} (viewed as a dict)."""
+        self.wrap = BigWeights if isinstance(shapes, ZImageConfig) else dict
+        self.shapes = dict(shapes.big_shapes if isinstance(shapes, ZImageConfig) else shapes)
+        self.dtype = dtype
+        step = ALIGN // dtype.itemsize
+        self.offsets, n = {}, 0
+        for name, shape in self.shapes.items():
+            self.offsets[name] = n
+            n += -(-math.prod(shape) // step) * step
+        self.numel = n
+        self.nbytes = n * dtype.itemsize
+
+    def views(self, flat: torch.Tensor):
+        return self.wrap(**{name: self.region(flat, name) for name in self.shapes})
+
+    def region(self, flat, name):
+        # a compressed master's bytes are codes: a copy into its "region" would cast values into them
+        assert flat.dtype == self.dtype, f"{name}: a {flat.dtype} buffer is not a packed {self.dtype} layer"
+        shape = self.shapes[name]
+        o = self.offsets[name]
+        return flat[o:o + math.prod(shape)].view(shape)
+
+    def fill(self, flat, pieces: dict, start: int = 0, pinned: bool = False):
+        """Copy pieces {name: [(row, tensor or StoredTensor)]} into ``flat`` (casting to its dtype):
+        the packed layer's elements from ``start`` on, as many as ``flat`` holds (by default all of
+        them). A ``StoredTensor`` is read from its file straight into host memory. ``pinned``: the
+        tensors are page-locked (locked in place, which ``is_pinned`` does not report), so copies
+        to the device are asynchronous."""
+        stop = start + flat.numel()
+        stored = []
+        for name, parts in pieces.items():
+            row_numel = math.prod(self.shapes[name][1:])
+            for row, t in parts:
+                a = self.offsets[name] + row * row_numel  # where this piece starts in the packed layer
+                lo, hi = max(a, start), min(a + math.prod(t.shape), stop)
+                if lo >= hi:
+                    continue
+                dst = flat[lo - start:hi - start]
+                if isinstance(t, torch.Tensor):
+                    dst.copy_(t.reshape(-1)[lo - a:hi - a], non_blocking=flat.is_cuda and (pinned or t.is_pinned()))
+                else:
+                    stored.append((t, dst, lo - a))
+        read_many(stored)
+
+    @staticmethod
+    def advise(pieces: dict):
+        """Ask the OS to start reading a layer's bytes from disk now: a file's, or those behind a
+        tensor that maps a file (another model's weights in a memory mapping)."""
+        for parts in pieces.values():
+            for _, t in parts:
+                if isinstance(t, torch.Tensor):
+                    advise_mapped(t)
+                else:
+                    t.advise()
+
+    @staticmethod
+    def drop(pieces: dict):
+        """A layer's file bytes leave the page cache (its master has them)."""
+        for parts in pieces.values():
+            for _, t in parts:
+                if not isinstance(t, torch.Tensor):
+                    t.drop()
+
+
+@dataclass(frozen=True)
+class StreamConfig:
+    """What a layer stream is built from, once: its layout, the device that computes, and how its
+    host side keeps the layers."""
+    layout: PackLayout
+    device: torch.device
+    # streamed layers get packed host masters (the planner says which); without, every upload reads
+    # the source through the staging ring (a model uploaded once per run whose owner holds its weights)
+    masters: bool = True
+    # the sources are tensors locked in place (``HostPool.pin_in_place``): uploaded from where they are
+    pinned_sources: bool = False
+    # bf16 masters may be stored compressed (``compression``) and decoded on the device
+    compress: bool = False
+
+    def __post_init__(self):
+        object.__setattr__(self, "device", device_of(self.device))
+
+    @property
+    def cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    @property
+    def can_compress(self) -> bool:
+        return self.compress and self.masters and self.layout.dtype == torch.bfloat16

@@ -1,0 +1,102 @@
+"""The transformer's weights by their canonical (ComfyUI) keys, wherever they live: the fixed part's
+tensors on the device and their masters, and the streamed matrices in their host masters, their
+files and their device buffers. What weight patches (a LoRA) read and write, and the one face the
+ComfyUI bridge's patches see; the checks that every weight is finite where it runs."""
+from __future__ import annotations
+
+import torch
+
+from .checkpoint import Checkpoint
+from .config import BIG_KEYS, ZImageConfig
+from .device_copies import DeviceCopies
+from .dit import ZImageDiT
+from .errors import CheckpointError
+from .streamer import LayerStreamer
+from .weight_checks import FiniteChecks, all_finite
+
+_MATRIX = {v: k for k, v in BIG_KEYS.items()}  # "attention.qkv" -> "qkv"
+
+
+class Weights:
+    def __init__(self, model: ZImageDiT, streamer: LayerStreamer, ckpt: Checkpoint, fixed: DeviceCopies,
+                 checks: FiniteChecks):
+        self.model, self.streamer, self.ckpt, self.fixed, self.checks = model, streamer, ckpt, fixed, checks
+        self.cfg: ZImageConfig = model.cfg
+        self.dtype = model.dtype                      # the fixed part's (the compute dtype)
+        self.storage_dtype = streamer.layout.dtype    # the streamed matrices'
+        self.device = streamer.device
+        self._blocks = {name: i for i, name in enumerate(self.cfg.block_names())}
+        self._keys = ckpt.keys()
+        self._fixed_checked = False                   # the fixed part's values were checked where they run
+        self.patches_uuid = None                      # id of the weight-patch set (LoRA) now in the weights
+        self.patched_keys: set = set()                # canonical keys that set changed in the fixed part
+
+    def layer_of(self, key):
+        """(streamed block index, matrix name) for a big matrix's canonical key, else None."""
+        parts = key.split(".")
+        block = self._blocks.get(".".join(parts[:2]))
+        matrix = _MATRIX.get(".".join(parts[2:4]))
+        if len(parts) == 5 and parts[4] == "weight" and matrix is not None and block is not None:
+            return block, matrix
+        return None
+
+    def shapes(self) -> dict:
+        """Canonical key -> (shape, dtype) of every weight, streamed matrices included."""
+        out = {k: (tuple(v.shape), v.dtype) for k, v in self.model.named_parameters()}
+        for key in self._keys:
+            if key not in out:
+                out[key] = (self.streamer.layout.shapes[self.layer_of(key)[1]], self.storage_dtype)
+        return out
+
+    def stored_dtype(self, key) -> torch.dtype:
+        """The dtype the file stores ``key`` in."""
+        return self.ckpt.dtype(key)
+
+    def base(self, key) -> torch.Tensor:
+        """The weight as loaded from the file (storage dtype for streamed matrices, compute dtype
+        for the rest), freshly read from the file."""
+        slot = self.layer_of(key)
+        if slot:
+            out = torch.empty(self.streamer.layout.shapes[slot[1]], dtype=self.storage_dtype)
+        else:
+            out = torch.empty(self.model.get_parameter(key).shape, dtype=self.dtype)
+        self.ckpt.read_into(key, out)
+        return out
+
+    def set(self, key, value: torch.Tensor):
+        """Replace a weight everywhere it lives: host master (packed first if the layer was only
+        file-backed), resident device copy, or parameter. Streamed layers pick the new values up
+        at their next upload."""
+        slot = self.layer_of(key)
+        if slot is None:  # a parameter: the fixed part
+            module_path, _, name = key.rpartition(".")
+            self.fixed.write(self.model.get_submodule(module_path), name, value)
+            self._fixed_checked = False
+            return
+        owner, name = slot
+        s = self.streamer
+        s.synchronize()
+        s.drop_queued()  # a slot may hold the old weights, uploaded ahead
+        s.masters.ensure_plain(owner)
+        self.checks.recheck(owner)
+        s.layout.region(s.masters.host[owner], name).copy_(value)
+        if owner in s.resident:
+            s.layout.region(s.resident[owner], name).copy_(value)
+
+    def patch_layers(self, patch):
+        """Weight patches applied on the device to the streamed layers as they arrive
+        (``LayerStreamer.set_patch``), or None."""
+        self.streamer.set_patch(patch)
+
+    def check_fixed(self):
+        """Every tensor outside the streamed layers is finite, checked once where it runs (on the
+        GPU: one reduction each and one read of the results)."""
+        if self._fixed_checked:
+            return
+        tensors = list(self.model.named_parameters())
+        ok = torch.stack([all_finite(t) for _, t in tensors]).cpu()
+        if not bool(ok.all()):
+            bad = tensors[int((~ok).nonzero()[0])][0]
+            raise CheckpointError(self.ckpt.path, f"has NaN or infinite values in {bad}.",
+                                  "The file is damaged: download it again.")
+        self._fixed_checked = True
