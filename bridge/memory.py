@@ -12,8 +12,8 @@ import comfy.model_management as mm
 from ..zimage_core import planner
 from ..zimage_core.config import FULL
 from ..zimage_core.devices import device_free_bytes
-from ..zimage_core.environment import pinned_cap
-from ..zimage_core.host_memory import BUDGET, available_ram, cache_headroom, total_ram
+from ..zimage_core.host_memory import BUDGET
+from ..zimage_core.ram import available_ram, cache_headroom, total_ram
 
 log = logging.getLogger("zimage")
 
@@ -41,7 +41,7 @@ def plan_host_budget(device):
         avail = available_ram()
         log.info("Z-Image: host RAM: %s available, ComfyUI keeps %.1f GiB of it free; the pack holds weights "
                  "in the rest%s", "?" if avail is None else f"{avail / planner.GiB:.1f} GiB", headroom / planner.GiB,
-                 " (ZIMAGE_PINNED_GIB caps it)" if pinned_cap() is not None else "")
+                 " (ZIMAGE_PINNED_GIB caps it)" if BUDGET.cap is not None else "")
     BUDGET.headroom = headroom
     if "transformer" not in BUDGET.claims and torch.device(device).type == "cuda":
         BUDGET.claim("transformer", planner.plan(FULL, device_free_bytes(device), 1024, 1024).host_bytes)

@@ -23,7 +23,8 @@ from ..zimage_core import planner
 from ..zimage_core.checkpoint import Checkpoint
 from ..zimage_core.errors import OutOfDeviceMemory
 from ..zimage_core.image_size import ImageSize
-from ..zimage_core.transformer import COMPUTE_DTYPES, STORAGE_DTYPES, Settings, ZImageTransformer
+from ..zimage_core.settings import COMPUTE_DTYPES, STORAGE_DTYPES, Settings
+from ..zimage_core.transformer import ZImageTransformer
 from .memory import plan_host_budget
 from .patches import apply as apply_patches, remember_sources
 

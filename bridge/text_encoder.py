@@ -10,7 +10,8 @@ import torch
 from ..zimage_core import environment, planner
 from ..zimage_core.config import FULL
 from ..zimage_core.errors import TextEncoderError
-from ..zimage_core.host_memory import BUDGET, available_ram
+from ..zimage_core.host_memory import BUDGET
+from ..zimage_core.ram import available_ram
 from ..zimage_core.stack_streaming import StreamedStack
 from ..zimage_core.transformer import check_kernels_soon
 from .memory import on_an_emptied_gpu_after_oom

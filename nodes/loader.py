@@ -3,7 +3,7 @@ from comfy_api.latest import io
 from ..bridge import ui
 from ..bridge.model import describe, load_model
 from ..zimage_core import environment
-from ..zimage_core.transformer import STORAGE_DTYPES, Settings
+from ..zimage_core.settings import STORAGE_DTYPES, Settings
 from .checks import number
 from .status import aliases, node_id
 

@@ -21,7 +21,8 @@ import comfy.utils  # noqa: E402
 
 from zimage_pack.bridge import model as zc  # noqa: E402
 from zimage_pack.zimage_core.checkpoint import Checkpoint  # noqa: E402
-from zimage_pack.zimage_core.transformer import Settings, ZImageTransformer  # noqa: E402
+from zimage_pack.zimage_core.settings import Settings  # noqa: E402
+from zimage_pack.zimage_core.transformer import ZImageTransformer  # noqa: E402
 
 not_loaded = []
 

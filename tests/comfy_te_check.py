@@ -16,7 +16,7 @@ import torch  # noqa: E402
 import comfy.sd  # noqa: E402
 
 from zimage_pack.bridge import text_encoder as zc  # noqa: E402
-from zimage_pack.zimage_core import host_memory  # noqa: E402
+from zimage_pack.zimage_core import ram  # noqa: E402
 
 messages = []
 
@@ -45,7 +45,7 @@ for i, prompt in enumerate(prompts):
         short = os.path.join(os.path.dirname(out_path), "meminfo")
         with open(short, "w") as f:
             f.write("MemTotal:       16777216 kB\nMemAvailable:    6291456 kB\n")
-        real_meminfo, host_memory.MEMINFO = host_memory.MEMINFO, short
+        real_meminfo, ram.MEMINFO = ram.MEMINFO, short
     ours = zc.encode(clip, prompt)
     first = first or ours
     res["streamed"].append(zc.streamed_text_encoder(clip) is not None)
@@ -54,7 +54,7 @@ for i, prompt in enumerate(prompts):
     res["equal"].append(len(ours) == len(stock) and all(
         torch.equal(a[0], b[0]) and a[1].keys() == b[1].keys() for a, b in zip(ours, stock)))
 del os.environ["ZIMAGE_PINNED_GIB"]
-host_memory.MEMINFO = real_meminfo
+ram.MEMINFO = real_meminfo
 res["pinned"] = zc.streamed_text_encoder(clip).patcher.pinned_memory_size()
 # a LoRA-style weight patch on the text encoder: ComfyUI's own path (not streamed), which applies it
 patched = clip.clone()

@@ -11,7 +11,8 @@ from zimage_core import host_memory
 from zimage_core.checkpoint import Checkpoint, expected_shapes
 from zimage_core.errors import CheckpointError
 from tools.random_weights import write_checkpoint, write_safetensors
-from zimage_core.transformer import Settings, ZImageTransformer
+from zimage_core.settings import Settings
+from zimage_core.transformer import ZImageTransformer
 
 LAYOUTS = [("comfyui", 1), ("comfyui-prefixed", 1), ("diffusers", 1), ("diffusers", 3)]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn]

@@ -3,6 +3,7 @@
 
 Starting `python -m zimage_core` imports torch (seconds), so most cases call its `main()` in this
 process; the subprocess cases check the real entry point, run concurrently."""
+import functools
 import http.server
 import json
 import os
@@ -111,11 +112,14 @@ def test_plan_says_where_the_text_encoder_is_read_from(ram, where, capsys):
 
 
 def _with_env(monkeypatch, **env):
-    """Only the given ZIMAGE_* settings, as a server started with them would see."""
+    """Only the given ZIMAGE_* settings, as a process started with them would see: a process reads
+    them once, so the test gets a reading of its own (the process's comes back after it)."""
+    from zimage_core import environment
     for name in ("ZIMAGE_PINNED_GIB", "ZIMAGE_COMPRESSION"):
         monkeypatch.delenv(name, raising=False)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
+    monkeypatch.setattr(environment, "_reading", functools.cache(environment._reading.__wrapped__))
 
 
 def _plan(capsys, monkeypatch, **env):

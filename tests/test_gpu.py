@@ -5,7 +5,8 @@ import torch
 from conftest import TINY, inputs
 from zimage_core import attention_input, elementwise, host_memory
 from tools.schedule import euler_sample
-from zimage_core.transformer import Settings, ZImageTransformer
+from zimage_core.settings import Settings
+from zimage_core.transformer import ZImageTransformer
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

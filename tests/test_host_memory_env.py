@@ -2,40 +2,39 @@
 plans it: ComfyUI's RAM-cache headroom stays free, and the transformer's claim is kept for it."""
 import ctypes
 import os
+import subprocess
+import sys
 
 import pytest
 
-from zimage_core import host_memory
+from zimage_core import host_memory, ram
 from zimage_core.errors import SettingError, ZImageError
-from zimage_core.environment import pinned_cap
+from zimage_core.environment import parse_pinned_gib
 from zimage_core.host_memory import HostBudget, HostPool
 
 GiB = 1 << 30
 
 
 @pytest.mark.parametrize("text, gib", [("4", 4), ("10.5", 10.5), (" 2 ", 2), ("0", 0), ("1e-3", 1e-3)])
-def test_pinned_gib_accepts_numbers(monkeypatch, text, gib):
-    monkeypatch.setenv("ZIMAGE_PINNED_GIB", text)
-    assert pinned_cap() == int(gib * GiB)
+def test_pinned_gib_accepts_numbers(text, gib):
+    assert parse_pinned_gib(text) == int(gib * GiB)
 
 
 @pytest.mark.parametrize("text", ["", "  "])
-def test_pinned_gib_empty_is_unset(monkeypatch, text):
-    monkeypatch.setenv("ZIMAGE_PINNED_GIB", text)
-    assert pinned_cap() is None
+def test_pinned_gib_empty_is_unset(text):
+    assert parse_pinned_gib(text) is None
 
 
 def test_pinned_gib_zero_pins_nothing(monkeypatch):
-    monkeypatch.setenv("ZIMAGE_PINNED_GIB", "0")
+    monkeypatch.setattr(host_memory, "BUDGET", HostBudget(cap=0))  # the budget ZIMAGE_PINNED_GIB=0 gives
     pool = HostPool(pin=False)
     assert pool.room() == 0 and pool.allocate(1, host_memory.torch.uint8) is None
 
 
 @pytest.mark.parametrize("text", ["abc", "nan", "NaN", "inf", "-inf", "-1", "-0.5", "4GB", "1,5"])
-def test_pinned_gib_refuses_others(monkeypatch, text):
-    monkeypatch.setenv("ZIMAGE_PINNED_GIB", text)
+def test_pinned_gib_refuses_others(text):
     with pytest.raises(SettingError) as e:
-        HostPool(pin=False)
+        parse_pinned_gib(text)
     msg = str(e.value)
     assert isinstance(e.value, ZImageError)
     assert "ZIMAGE_PINNED_GIB" in msg and repr(text.strip()) in msg and ">= 0" in msg and "0 pins nothing" in msg
@@ -46,7 +45,7 @@ def fake_meminfo(tmp_path, monkeypatch, total_gib, avail_gib):
     meminfo = tmp_path / "meminfo"
     meminfo.write_text(f"MemTotal: {total_gib * 1024 * 1024} kB\nMemFree: 1048576 kB\n"
                        f"MemAvailable: {avail_gib * 1024 * 1024} kB\n")
-    monkeypatch.setattr(host_memory, "MEMINFO", str(meminfo))
+    monkeypatch.setattr(ram, "MEMINFO", str(meminfo))
 
 
 @pytest.mark.parametrize("total, headroom", [(16, 2 * GiB), (32, int(3.2 * GiB)), (64, int(6.4 * GiB)),
@@ -58,7 +57,6 @@ def test_headroom_is_what_comfyui_keeps_by_default(tmp_path, monkeypatch, total,
 
 
 def test_the_budget_keeps_the_headroom_and_other_owners_claims(tmp_path, monkeypatch):
-    monkeypatch.delenv("ZIMAGE_PINNED_GIB", raising=False)
     fake_meminfo(tmp_path, monkeypatch, 32, 28)  # a 32 GB desktop with 28 GiB available
     b = HostBudget()
     free = 28 * GiB - int(3.2 * GiB) - host_memory.WORKING_MARGIN
@@ -69,8 +67,7 @@ def test_the_budget_keeps_the_headroom_and_other_owners_claims(tmp_path, monkeyp
     assert b.room("text encoder") == free - 6 * GiB
     b.claim("transformer", 40 * GiB)
     assert b.room("text encoder") == 0  # never below zero
-    monkeypatch.setenv("ZIMAGE_PINNED_GIB", "1")
-    assert b.room("transformer") == GiB - host_memory.live_bytes()
+    assert HostBudget(cap=GiB).room("transformer") == GiB - host_memory.live_bytes()
 
 
 def test_the_cap_limits_the_packs_copies_not_the_page_cache(tmp_path, monkeypatch):
@@ -78,19 +75,30 @@ def test_the_cap_limits_the_packs_copies_not_the_page_cache(tmp_path, monkeypatc
     (the text encoder's): the warning that its file is read from the disk at each prompt reads
     ``ram_room``, so a cap alone never raises it."""
     fake_meminfo(tmp_path, monkeypatch, 32, 28)
-    monkeypatch.setenv("ZIMAGE_PINNED_GIB", "0")
-    b = HostBudget()
+    b = HostBudget(cap=0)
     assert b.room("text encoder") == 0
     assert b.ram_room("text encoder") == 28 * GiB - int(3.2 * GiB) - host_memory.WORKING_MARGIN
 
 
+def test_the_environment_is_read_once_per_process():
+    """The budget, the nodes and the commands read ZIMAGE_PINNED_GIB when the process first asks, once:
+    a value set later changes nothing (ComfyUI reads its environment at start-up too)."""
+    code = ("import os; from zimage_core import environment, host_memory; "
+            "first = environment.read(); os.environ['ZIMAGE_PINNED_GIB'] = '1'; "
+            "print(first.pinned_cap, environment.read().pinned_cap, host_memory.BUDGET.cap)")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, ZIMAGE_PINNED_GIB="4")
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=60)
+    assert out.stdout.split() == [str(4 * GiB)] * 3, out.stderr
+
+
 def test_available_ram_without_meminfo_uses_sysconf(tmp_path, monkeypatch):
     """Other POSIX systems: sysconf's available pages, not a fixed 8 GiB."""
-    monkeypatch.setattr(host_memory, "MEMINFO", str(tmp_path / "missing"))
-    monkeypatch.setattr(host_memory.sys, "platform", "linux")
+    monkeypatch.setattr(ram, "MEMINFO", str(tmp_path / "missing"))
+    monkeypatch.setattr(ram.sys, "platform", "linux")
     pages = {"SC_AVPHYS_PAGES": 3 * GiB // 4096, "SC_PAGE_SIZE": 4096}
-    monkeypatch.setattr(host_memory.os, "sysconf", lambda name: pages[name])
-    assert host_memory.available_ram() == 3 * GiB
+    monkeypatch.setattr(ram.os, "sysconf", lambda name: pages[name])
+    assert ram.available_ram() == 3 * GiB
 
 
 def test_available_ram_windows_uses_global_memory_status(tmp_path, monkeypatch):
@@ -107,23 +115,22 @@ def test_available_ram_windows_uses_global_memory_status(tmp_path, monkeypatch):
         class kernel32:
             GlobalMemoryStatusEx = staticmethod(global_memory_status_ex)
 
-    monkeypatch.setattr(host_memory, "MEMINFO", str(tmp_path / "missing"))
-    monkeypatch.setattr(host_memory.sys, "platform", "win32")
+    monkeypatch.setattr(ram, "MEMINFO", str(tmp_path / "missing"))
+    monkeypatch.setattr(ram.sys, "platform", "win32")
     monkeypatch.setattr(ctypes, "windll", Windll, raising=False)
-    assert host_memory.available_ram() == 24 * GiB and host_memory.total_ram() == 32 * GiB
+    assert ram.available_ram() == 24 * GiB and ram.total_ram() == 32 * GiB
     assert seen["length"] == 64  # MEMORYSTATUSEX's size on Windows, what the call checks
 
 
 def test_unreadable_ram_leaves_the_budget_unbounded(tmp_path, monkeypatch):
-    monkeypatch.setattr(host_memory, "MEMINFO", str(tmp_path / "missing"))
-    monkeypatch.setattr(host_memory.sys, "platform", "darwin")
+    monkeypatch.setattr(ram, "MEMINFO", str(tmp_path / "missing"))
+    monkeypatch.setattr(ram.sys, "platform", "darwin")
 
     def no_sysconf(name):
         raise ValueError(f"unrecognized configuration name {name}")
 
-    monkeypatch.setattr(host_memory.os, "sysconf", no_sysconf)
-    monkeypatch.delenv("ZIMAGE_PINNED_GIB", raising=False)
-    assert host_memory.available_ram() is None
+    monkeypatch.setattr(ram.os, "sysconf", no_sysconf)
+    assert ram.available_ram() is None
     b = HostBudget()
     assert b.headroom == 2 * GiB and b.room("transformer") > 1 << 40
 
@@ -132,6 +139,6 @@ def test_unreadable_ram_leaves_the_budget_unbounded(tmp_path, monkeypatch):
 def test_sysconf_agrees_with_meminfo_roughly():
     """The POSIX fallback reads the same machine: free pages are at most what MemAvailable counts
     (plus some slack for memory freed between the two reads)."""
-    avail = host_memory.available_ram()
+    avail = ram.available_ram()
     free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     assert 0 < free <= avail + GiB

@@ -235,7 +235,7 @@ def test_compression_on_gives_way_where_its_buffers_do_not_fit():
     """On the plain floor the decode's two device buffers do not fit: "on" plans plain masters
     rather than refuse a card that makes the image (and names the plain floor where even that does
     not fit); with room for the buffers too, it compresses."""
-    from zimage_core.planner import CODEC_BYTES
+    from zimage_core.device_memory import CODEC_BYTES
     floor = plan(FULL, 1, 1024, 1024).needed_bytes
     assert plan(FULL, 1, 1024, 1024, compute_copy_ratio=0.7, compress="on").needed_bytes == floor
     p = plan(FULL, floor, 1024, 1024, compute_copy_ratio=0.7, compress="on")
@@ -294,7 +294,7 @@ MEASURED_PEAKS = [  # (width, height, batch, resident, slots, compressed, reserv
 
 @pytest.mark.parametrize("w,h,batch,resident,slots,compressed,peak", MEASURED_PEAKS)
 def test_planned_memory_covers_measured_peaks(w, h, batch, resident, slots, compressed, peak):
-    from zimage_core.planner import CODEC_BYTES, device_margin
+    from zimage_core.device_memory import CODEC_BYTES, device_margin
     p = plan(FULL, 80 * GiB, w, h, batch)
     planned = (p.fixed_bytes + p.activation_bytes + device_margin(p.activation_bytes, batch)
                + (resident + slots) * p.layer_bytes + (CODEC_BYTES if compressed else 0)) / GiB

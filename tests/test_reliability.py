@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from conftest import TINY, inputs
-from zimage_core import host_memory, planner, transformer
-from zimage_core.checkpoint import Checkpoint, expected_shapes
+from zimage_core import device_memory, dit, host_memory, planner
+from zimage_core.checkpoint import expected_shapes
 from zimage_core.config import FULL
 from zimage_core.errors import CheckpointError, OutOfDeviceMemory
 from tools.random_weights import write_checkpoint
@@ -19,7 +19,7 @@ class Stop(Exception):
 
 def _pieces(monkeypatch, flops):
     """Blocks on the CPU run in pieces of ``flops`` (tiny: every block in several pieces)."""
-    monkeypatch.setattr(transformer, "CPU_PIECE_FLOPS", flops)
+    monkeypatch.setattr(dit, "CPU_PIECE_FLOPS", flops)
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
@@ -28,10 +28,10 @@ def test_pieces_match_the_whole_block_and_streaming_stays_bit_identical(monkeypa
     try:
         x, t, ctx = inputs(TINY, width=96, height=64, cap=9)
         _pieces(monkeypatch, 1e15)
-        assert m.chunks(96, 64).rows >= 96 + 512  # one piece: the plain block
+        assert dit.cpu_chunks(TINY, 96, 64).rows >= 96 + 512  # one piece: the plain block
         whole = m(x, t, ctx)
         _pieces(monkeypatch, 1)
-        c = m.chunks(96, 64)
+        c = dit.cpu_chunks(TINY, 96, 64)
         assert (c.rows, c.queries) == (32, 16)  # 32 image and 32 caption tokens: up to two and four pieces
         m.prepare(96, 64, resident_layers=TINY.n_blocks)
         ref = m(x, t, ctx)
@@ -162,6 +162,6 @@ def test_the_cpu_refuses_a_size_beyond_its_ram(tiny_file):
     m = ZImageTransformer.load(tiny_file, device="cpu", dtype="fp32")
     try:
         with pytest.raises(OutOfDeviceMemory, match=r"does not fit.*RAM.*Try \d+x\d+"):
-            m.prepare(4096, 4096, free_bytes=planner.HOST_RESERVE + (100 << 20))  # 100 MiB beyond what it keeps
+            m.prepare(4096, 4096, free_bytes=device_memory.HOST_RESERVE + (100 << 20))  # 100 MiB beyond what it keeps
     finally:
         m.release()

@@ -11,7 +11,8 @@ from zimage_core.host_memory import HostPool
 from tools.schedule import euler_sample
 from zimage_core.layout import PackLayout, StreamConfig, residency_order
 from zimage_core.streamer import LayerStreamer
-from zimage_core.transformer import Settings, ZImageTransformer
+from zimage_core.settings import Settings
+from zimage_core.transformer import ZImageTransformer
 
 
 @pytest.fixture(scope="module", params=["fp32", "bf16"])
@@ -98,11 +99,11 @@ def test_sampling_is_identical_streamed_and_resident(model):
 def _device_of(m, budget):
     """Make ``m``'s forwards run out of memory whenever its layers, slots, fixed part and the step's
     activations would need more than ``budget`` bytes: a small GPU, on the CPU."""
-    from zimage_core import planner
+    from zimage_core import device_memory
     run = m.model.forward
 
     def forward(x, *args, **kwargs):
-        need = m.cfg.fixed_params() * m.dtype.itemsize + m.streamer.device_bytes + planner.activation_bytes(
+        need = m.cfg.fixed_params() * m.dtype.itemsize + m.streamer.device_bytes + device_memory.activation_bytes(
             m.cfg, x.shape[-1] * 8, x.shape[-2] * 8, x.shape[0], dtype=m.dtype, storage=m.storage_dtype)
         if need > budget:
             raise torch.OutOfMemoryError(f"a device of {budget} bytes: {need} needed")
@@ -125,8 +126,8 @@ def test_out_of_memory_evicts_and_retries(tiny_file, monkeypatch):
         # a device that holds two resident layers less than all of them
         m.prepare(64, 48, resident_layers=TINY.n_blocks)
         layer = m.streamer.layout.nbytes
-        from zimage_core import planner
-        act = planner.activation_bytes(TINY, 64, 48, 1, dtype=torch.float32, storage=torch.float32)
+        from zimage_core import device_memory
+        act = device_memory.activation_bytes(TINY, 64, 48, 1, dtype=torch.float32, storage=torch.float32)
         fixed = TINY.fixed_params() * 4
         monkeypatch.setattr(m.model, "forward", _device_of(m, fixed + act + (TINY.n_blocks - 1) * layer))
         splits.clear()

@@ -13,7 +13,7 @@ import torch
 from zimage_core import environment
 from zimage_core.__main__ import GiB, _Parser, count, gib, run, size_arguments
 from zimage_core.config import ZImageConfig
-from zimage_core.transformer import STORAGE_DTYPES
+from zimage_core.settings import STORAGE_DTYPES
 
 from . import bench, ratio
 from .random_weights import write_checkpoint

@@ -18,7 +18,8 @@ import time
 import torch
 
 from zimage_core import compression, host_memory
-from zimage_core.transformer import Settings, ZImageTransformer
+from zimage_core.settings import Settings
+from zimage_core.transformer import ZImageTransformer
 
 from .schedule import euler_sample
 

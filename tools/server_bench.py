@@ -35,26 +35,22 @@ Simulated machine:
 --cpu runs everything on the CPU (plumbing checks with small weights, no ballast).
 """
 import argparse
-import ctypes
 import json
 import os
 import re
 import signal
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
-import threading
 import time
-import urllib.error
-import urllib.request
-import uuid
+
+from bench_workflows import SESSION, TE, VAE, official_workflow, pack_workflow, session_workflow
+from server_processes import PHASES, Server, mem_available_gib, read_through, rss_gib, spawn, start_ballast, stop
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 PACK = "zimage_turbo_streaming"
-TE, VAE = "qwen_3_4b.safetensors", "ae.safetensors"
 PROMPTS = [
     "A weathered lighthouse on a rocky headland at golden hour, waves breaking in white spray",
     "A red fox curled up asleep in fresh snow under a pine tree, soft morning light",
@@ -63,253 +59,6 @@ PROMPTS = [
     "A bowl of ramen on a wooden counter, steam rising, shallow depth of field",
     "A watercolor of a canal in Venice with gondolas and laundry lines between old houses",
 ]
-PIN_RE = re.compile(r"Z-Image: pinned ([0-9.]+) GiB")
-ZLOAD_RE = re.compile(r"Z-Image: loading the transformer")
-# where an image's time goes (the pack's debug lines: --server-arg=--verbose --server-arg=DEBUG)
-PHASES = {"encode_s": re.compile(r"Z-Image: prompt encoded in ([0-9.]+) s"),
-          "decode_s": re.compile(r"Z-Image: decoded in ([0-9.]+) s"),
-          "sample_s": re.compile(r"Z-Image: sampled \d+ steps in ([0-9.]+) s"),
-          "step_s": re.compile(r"Z-Image: sampled .* then ([0-9.]+) s a step"),
-          "split_s": re.compile(r"Z-Image: split set in ([0-9.]+) s")}
-EVICT_RE = re.compile(r"Z-Image: made room for another model: ([0-9.]+) GiB freed")
-COMFY_LOADS = {"requested": "Requested to load", "completely": "loaded completely", "partially": "loaded partially"}
-GIB = 2**30
-
-
-def mem_available_gib():
-    with open("/proc/meminfo") as f:
-        return next(int(l.split()[1]) * 1024 / GIB for l in f if l.startswith("MemAvailable:"))
-
-
-def rss_gib(pid):
-    """RssAnon and RssFile of one process: main.py runs the whole server in one process."""
-    with open(f"/proc/{pid}/status") as f:
-        kb = {l.split(":")[0]: int(l.split()[1]) for l in f if l.startswith(("RssAnon", "RssFile"))}
-    return kb["RssAnon"] * 1024 / GIB, kb["RssFile"] * 1024 / GIB
-
-
-def _child_setup():
-    # a process group of its own, so stop() ends it and anything it started with one signal (the
-    # same session, so whatever ends this session's processes ends these too), and SIGKILL when
-    # this script dies, however it dies: a server or ballast left behind holds GBs of RAM or GPU
-    os.setpgid(0, 0)
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-
-
-def spawn(cmd, log_path, env=None, cwd=None):
-    """Start ``cmd`` with its output in ``log_path``, each line stamped with the seconds since the
-    start (ComfyUI's own lines carry no time: the stamps show where an image's seconds went)."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, cwd=cwd,
-                            preexec_fn=_child_setup)
-    threading.Thread(target=_stamp, args=(proc.stdout, log_path, time.monotonic()), daemon=True).start()
-    return proc
-
-
-def _stamp(out, log_path, start):
-    with out, open(log_path, "ab", buffering=0) as log:
-        for line in out:
-            log.write(b"%9.3f " % (time.monotonic() - start) + line)
-
-
-def stop(proc):
-    if proc is None or proc.poll() is not None:
-        return
-    for sig, wait in ((signal.SIGTERM, 15), (signal.SIGKILL, 15)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(wait)
-            return
-        except subprocess.TimeoutExpired:
-            pass
-
-
-def tail(path, n=40):
-    with open(path, errors="replace") as f:
-        return "".join(f.readlines()[-n:])
-
-
-def start_ballast(a, script, leave_gib, flag, log, timeout=600):
-    """Start tools/<script> holding all but leave_gib, and wait for its flag file (memory held)."""
-    proc = spawn([a.python, os.path.join(HERE, script), "--leave-gib", str(leave_gib), "--flag", flag], log)
-    end = time.monotonic() + timeout
-    while not os.path.exists(flag):
-        if proc.poll() is not None or time.monotonic() > end:
-            stop(proc)
-            raise SystemExit(f"{script} exited with {proc.returncode} or was not ready in {timeout} s:\n{tail(log)}")
-        time.sleep(0.5)
-    return proc
-
-
-class Server:
-    def __init__(self, proc, port, log):
-        self.proc, self.url, self.log, self.offset = proc, f"http://127.0.0.1:{port}", log, 0
-
-    def call(self, path, body=None, timeout=60):
-        data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(self.url + path, data=data,
-                                     headers={"Content-Type": "application/json"} if data else {})
-        try:
-            with urllib.request.urlopen(req, timeout=timeout) as r:
-                return json.loads(r.read())
-        except urllib.error.HTTPError as e:
-            raise SystemExit(f"{path}: HTTP {e.code}: {e.read().decode(errors='replace')[:4000]}") from None
-        except OSError:
-            self.check_alive()  # a dead server says why in its log; otherwise the caller decides
-            raise
-
-    def check_alive(self):
-        if self.proc.poll() is not None:
-            raise SystemExit(f"ComfyUI exited with {self.proc.returncode}; log {self.log}:\n{tail(self.log)}")
-
-    def wait_ready(self, timeout):
-        end = time.monotonic() + timeout
-        while time.monotonic() < end:
-            self.check_alive()
-            try:
-                return self.call("/system_stats", timeout=5)
-            except (OSError, ValueError):  # not listening yet
-                time.sleep(1)
-        raise SystemExit(f"ComfyUI did not answer within {timeout} s; log {self.log}:\n{tail(self.log)}")
-
-    def run(self, workflow, timeout):
-        """Queue one prompt and wait; the executor's own seconds from start to success."""
-        resp = self.call("/prompt", {"prompt": workflow, "client_id": uuid.uuid4().hex})
-        if resp.get("node_errors") or "prompt_id" not in resp:
-            raise SystemExit(f"ComfyUI rejected the prompt: {json.dumps(resp, indent=1)[:4000]}")
-        pid, end = resp["prompt_id"], time.monotonic() + timeout
-        while True:
-            status = (self.call(f"/history/{pid}").get(pid) or {}).get("status", {})
-            events = {name: data for name, data in status.get("messages", [])}
-            if status.get("status_str") == "error" or "execution_error" in events:
-                e = events.get("execution_error", {})
-                raise SystemExit(f"the prompt failed in {e.get('node_type')} (node {e.get('node_id')}): "
-                                 f"{e.get('exception_type')}: {e.get('exception_message')}\n"
-                                 f"{''.join(e.get('traceback', []))[-3000:]}log: {self.log}")
-            if status.get("status_str") == "success":
-                return (events["execution_success"]["timestamp"] - events["execution_start"]["timestamp"]) / 1000
-            self.check_alive()
-            if time.monotonic() > end:
-                raise SystemExit(f"the prompt did not finish within {timeout} s; log {self.log}")
-            time.sleep(0.2)
-
-    def new_log(self):
-        """Counts of the pack's and ComfyUI's load lines in the log since the last call."""
-        with open(self.log, "rb") as f:
-            f.seek(self.offset)
-            raw = f.read()
-        self.offset += len(raw)
-        text = raw.decode(errors="replace")
-        pins = [float(g) for g in PIN_RE.findall(text)]
-        out = dict(pin_calls=len(pins), pinned_gib=sum(pins), zimage_loads=len(ZLOAD_RE.findall(text)),
-                   evicted_gib=round(sum(float(g) for g in EVICT_RE.findall(text)), 2))
-        out.update({k: round(sum(float(g) for g in r.findall(text)), 3) for k, r in PHASES.items() if r.search(text)})
-        out.update({f"comfy_{k}": text.count(v) for k, v in COMFY_LOADS.items()})
-        return out
-
-
-def set_inputs(wf, class_types, **values):
-    nodes = [n for n in wf.values() if n.get("class_type") in class_types]
-    for name, value in values.items():
-        targets = [n for n in nodes if name in n["inputs"]]
-        if not targets:
-            raise SystemExit(f"the workflow has no {'/'.join(class_types)} node with an input {name!r}")
-        for n in targets:
-            n["inputs"][name] = value
-
-
-def pack_workflow(a, prompt, unet=None, width=None, height=None):
-    with open(os.path.join(ROOT, "workflows", "api", "z_image_turbo.json")) as f:
-        wf = json.load(f)
-    set_inputs(wf, ("ZImageModelLoader",), unet_name=unet or a.unet)
-    set_inputs(wf, ("ZImageTextEncode",), text=prompt)
-    set_inputs(wf, ("ZImageSampler",), width=width or a.size, height=height or a.size, batch_size=a.batch,
-               seed=a.seed, steps=a.steps)
-    return wf
-
-
-def official_workflow(a, prompt, unet=None, width=None, height=None):
-    """ComfyUI's official Z-Image-Turbo template, in API format."""
-    width, height = width or a.size, height or a.size
-    return {
-        "1": {"class_type": "UNETLoader", "inputs": {"unet_name": unet or a.unet, "weight_dtype": "default"}},
-        "2": {"class_type": "CLIPLoader", "inputs": {"clip_name": TE, "type": "lumina2", "device": "default"}},
-        "3": {"class_type": "VAELoader", "inputs": {"vae_name": VAE}},
-        "4": {"class_type": "CLIPTextEncode", "inputs": {"clip": ["2", 0], "text": prompt}},
-        "5": {"class_type": "ConditioningZeroOut", "inputs": {"conditioning": ["4", 0]}},
-        "6": {"class_type": "EmptySD3LatentImage", "inputs": {"width": width, "height": height, "batch_size": a.batch}},
-        "7": {"class_type": "ModelSamplingAuraFlow", "inputs": {"model": ["1", 0], "shift": 3.0}},
-        "8": {"class_type": "KSampler", "inputs": {
-            "model": ["7", 0], "seed": a.seed, "steps": a.steps, "cfg": 1.0, "sampler_name": "res_multistep",
-            "scheduler": "simple", "positive": ["4", 0], "negative": ["5", 0], "latent_image": ["6", 0],
-            "denoise": 1.0}},
-        "9": {"class_type": "VAEDecode", "inputs": {"samples": ["8", 0], "vae": ["3", 0]}},
-        "10": {"class_type": "SaveImage", "inputs": {"images": ["9", 0], "filename_prefix": "official"}},
-    }
-
-
-# --session: the images of an evening, in order (a new prompt each): LoRAs on, off, switched, stacked
-# and at another strength, a second size, the stock-nodes workflow, a second checkpoint and back.
-# loras: [(index into --loras, strength)]; unet 2: --unet2
-SESSION = [dict(label=label, loras=loras, wide=wide, stock=stock, unet=unet)
-           for label, loras, wide, stock, unet in [
-               ("first image", [], False, False, 1), ("warm", [], False, False, 1), ("warm", [], False, False, 1),
-               ("first with LoRA A", [(0, 1.0)], False, False, 1), ("LoRA A", [(0, 1.0)], False, False, 1),
-               ("LoRA A at 0.5", [(0, 0.5)], False, False, 1), ("switch to LoRA B", [(1, 1.0)], False, False, 1),
-               ("LoRA B", [(1, 1.0)], False, False, 1), ("A and B stacked", [(0, 0.5), (1, 0.5)], False, False, 1),
-               ("no LoRA again", [], False, False, 1), ("other size", [], True, False, 1),
-               ("other size", [], True, False, 1), ("other size, LoRA A", [(0, 1.0)], True, False, 1),
-               ("stock nodes", [], False, True, 1), ("stock nodes, LoRA A", [(0, 1.0)], False, True, 1),
-               ("second checkpoint", [], False, False, 2), ("second checkpoint", [], False, False, 2),
-               ("second checkpoint, LoRA A", [(0, 1.0)], False, False, 2), ("first checkpoint again", [], False, False, 1),
-               ("LoRA B", [(1, 1.0)], False, False, 1), ("no LoRA", [], False, False, 1), ("no LoRA", [], False, False, 1)]]
-
-
-def with_loras(wf, loras, names):
-    """Stock LoraLoaderModelOnly nodes, one per LoRA, between the model loader and what it fed."""
-    loader = next(k for k, n in wf.items() if n["class_type"] in ("ZImageModelLoader", "UNETLoader"))
-    users = [(n, name) for n in wf.values() for name, v in n["inputs"].items() if v == [loader, 0]]
-    model = [loader, 0]
-    for j, (index, strength) in enumerate(loras):
-        node = f"lora{j}"
-        wf[node] = {"class_type": "LoraLoaderModelOnly",
-                    "inputs": {"model": model, "lora_name": names[index], "strength_model": strength}}
-        model = [node, 0]
-    for n, name in users:
-        n["inputs"][name] = model
-    return wf
-
-
-def stock_nodes(wf):
-    """The pack's workflow with stock ModelSamplingAuraFlow, KSampler and VAEDecode after its loader and
-    encode (workflows/z_image_turbo_stock_nodes.json)."""
-    by = {n["class_type"]: k for k, n in wf.items()}
-    sampler = wf.pop(by["ZImageSampler"])["inputs"]
-    decode = wf.pop(by["ZImageDecode"])["inputs"]
-    wf["msa"] = {"class_type": "ModelSamplingAuraFlow", "inputs": {"model": sampler["model"], "shift": 3.0}}
-    wf["zero"] = {"class_type": "ConditioningZeroOut", "inputs": {"conditioning": sampler["positive"]}}
-    wf["latent"] = {"class_type": "EmptySD3LatentImage",
-                    "inputs": {k: sampler[k] for k in ("width", "height", "batch_size")}}
-    wf["ks"] = {"class_type": "KSampler", "inputs": {
-        "model": ["msa", 0], "seed": sampler["seed"], "steps": sampler["steps"], "cfg": 1.0,
-        "sampler_name": "res_multistep", "scheduler": "simple", "positive": sampler["positive"],
-        "negative": ["zero", 0], "latent_image": ["latent", 0], "denoise": 1.0}}
-    wf["vd"] = {"class_type": "VAEDecode", "inputs": {"samples": ["ks", 0], "vae": decode["vae"]}}
-    wf[by["SaveImage"]]["inputs"]["images"] = ["vd", 0]
-    return wf
-
-
-def session_workflow(a, pipeline, step, prompt):
-    """One image of ``SESSION`` for ``pipeline`` (the official template is stock nodes already)."""
-    width, height = a.wide if step["wide"] else (a.size, a.size)
-    unet = a.unet2 if step["unet"] == 2 else a.unet
-    build = pack_workflow if pipeline == "pack" else official_workflow
-    wf = build(a, prompt, unet=unet, width=width, height=height)
-    if step["stock"] and pipeline == "pack":
-        wf = stock_nodes(wf)
-    return with_loras(wf, step["loras"], a.loras)
 
 
 def weight_files(a) -> list:
@@ -347,20 +96,6 @@ def server_flags(a):
             else:
                 print("note: this ComfyUI has no --disable-dynamic-vram (classic memory manager only)")
     return flags + (["--cpu"] if a.cpu else []) + a.server_arg
-
-
-def read_through(paths):
-    """Read each file once before the ballasts start, so that every server starts with the weights
-    in the page cache as far as the simulated RAM holds them (a user's machine after an earlier
-    run), not with what the server before it happened to leave there. Dirty pages are written out
-    first (weights written just before): the RAM ballast cannot reclaim them, so the kernel would
-    drop the clean pages just read instead, and the first image would read the disk."""
-    os.sync()
-    buf = bytearray(64 << 20)
-    for path in paths:
-        with open(path, "rb", buffering=0) as f:
-            while f.readinto(buf):
-                pass
 
 
 def one_server(a, base, pipeline, card, tag):

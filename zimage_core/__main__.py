@@ -9,7 +9,7 @@ import sys
 
 import torch
 
-from . import environment, host_memory
+from . import environment, ram
 from .config import FULL
 from .errors import ZImageError
 from .image_size import MAX_SIDE, is_side, nearest_side
@@ -91,11 +91,13 @@ def _plan(a):
         sys.exit("error: no CUDA device here: give --vram-gib (the free GPU memory to plan for)")
     env = environment.read()  # the server's settings, read as the server reads them
     storage = torch.float8_e4m3fn if a.fp8 else torch.bfloat16
-    ram = int(a.ram_gib * GiB) if a.ram_gib is not None else host_memory.available_ram()
-    host = None if ram is None else planner.host_room(FULL, ram, storage=storage)
-    # RAM that cannot be read leaves the masters unbounded, but for the cap
-    unread = planner.host_room(FULL, 1 << 62, storage=storage) if env.pinned_cap is not None else None
-    layers_room = (host or unread).for_masters(env.pinned_cap) if (host or unread) else None
+    available = int(a.ram_gib * GiB) if a.ram_gib is not None else ram.available_ram()
+    host = None if available is None else planner.host_room(FULL, available, storage=storage)
+    if host is not None:
+        layers_room = host.for_masters(env.pinned_cap)
+    else:  # RAM that cannot be read leaves the masters unbounded, but for the cap
+        unbounded = planner.host_room(FULL, 1 << 62, storage=storage)
+        layers_room = None if env.pinned_cap is None else unbounded.for_masters(env.pinned_cap)
     p = planner.plan(FULL, free, a.width, a.height, a.batch, planner.Limits(host_room=layers_room), storage=storage,
                      compress="on" if a.compress else env.compression)
     if a.json:

@@ -33,6 +33,20 @@ class Chunks(NamedTuple):
     tick: Callable[[], None]
 
 
+# On the CPU a block runs in pieces of about this much work, so that an interrupt (checked between
+# pieces) stops a 2048x2048 step within a second or so even on two cores
+CPU_PIECE_FLOPS = 2e10
+
+
+def cpu_chunks(cfg: ZImageConfig, width, height, batch=1, tick: Callable[[], None] = lambda: None) -> Chunks:
+    """The pieces a forward on the CPU runs its blocks in: about ``CPU_PIECE_FLOPS`` each (rows for the
+    projections and the FFN, queries for the attention), with ``tick()`` between them."""
+    tokens = batch * (cfg.image_tokens(width, height) + 512)
+    rows = int(CPU_PIECE_FLOPS / (2 * batch * cfg.dim * max(3 * cfg.dim, cfg.ffn_dim)))
+    queries = int(CPU_PIECE_FLOPS / (4 * batch * tokens * cfg.dim))
+    return Chunks(max(32, rows // 32 * 32), max(16, queries // 16 * 16), tick)
+
+
 def _pieces(n, size):
     return [(a, min(a + size, n)) for a in range(0, n, size)]
 

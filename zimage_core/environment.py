@@ -1,6 +1,6 @@
-"""The pack's environment variables, read in one place: the ComfyUI nodes (said once at start-up,
-and refused by each prompt's loader and encode), the host budget, ``python -m zimage_core plan`` and the core
-benchmark read the same values the same way, and refuse the same bad ones.
+"""The pack's environment variables, read once per process, in one place: the ComfyUI nodes (said
+once at start-up, and refused by each prompt's loader and encode), the host budget, ``python -m
+zimage_core plan`` and the core benchmark read the same values, and refuse the same bad ones.
 
 - ``ZIMAGE_PINNED_GIB``: the host bytes this process may hold in copies of weights, in all
   (pinned masters, staging); unset: planned from the RAM that is available.
@@ -9,6 +9,7 @@ benchmark read the same values the same way, and refuse the same bad ones.
 """
 from __future__ import annotations
 
+import functools
 import math
 import os
 from dataclasses import dataclass
@@ -21,9 +22,9 @@ COMPRESSION = "ZIMAGE_COMPRESSION"
 COMPRESSION_MODES = ("off", "on", "auto")
 
 
-def pinned_cap() -> int | None:
-    """ZIMAGE_PINNED_GIB in bytes, or None where it is unset."""
-    text = os.environ.get(PINNED, "").strip()
+def parse_pinned_gib(text: str) -> int | None:
+    """ZIMAGE_PINNED_GIB's text in bytes, or None where it is empty."""
+    text = text.strip()
     if not text:
         return None
     try:
@@ -37,9 +38,9 @@ def pinned_cap() -> int | None:
     return int(gib * GiB)
 
 
-def compression() -> str:
-    """ZIMAGE_COMPRESSION: off, on or auto (the default)."""
-    text = os.environ.get(COMPRESSION, "").strip().lower() or "auto"
+def parse_compression(text: str) -> str:
+    """ZIMAGE_COMPRESSION's text: off, on or auto (the default, where it is empty)."""
+    text = text.strip().lower() or "auto"
     if text in COMPRESSION_MODES:
         return text
     raise SettingError(f"{COMPRESSION} is {text!r}: set it to auto (the default), on or off, or unset it.")
@@ -51,25 +52,32 @@ class Environment:
     compression: str
 
 
+@functools.cache
+def _reading() -> tuple:
+    """(the values, one message per malformed one): the variables parsed once, the first time asked."""
+    values, problems = [], []
+    for name, parse, fallback in ((PINNED, parse_pinned_gib, None), (COMPRESSION, parse_compression, "auto")):
+        try:
+            values.append(parse(os.environ.get(name, "")))
+        except SettingError as e:
+            values.append(fallback)
+            problems.append(str(e))
+    return Environment(*values), problems
+
+
 def read() -> Environment:
     """Both settings; a SettingError names every one that is malformed."""
-    values, problems = _read_all()
+    env, problems = _reading()
     if problems:
         raise SettingError(" ".join(problems))
-    return Environment(*values)
+    return env
 
 
 def problems_now() -> list:
     """One message per malformed setting (empty when all are usable)."""
-    return _read_all()[1]
+    return _reading()[1]
 
 
-def _read_all() -> tuple:
-    """([pinned cap, compression], [messages of the malformed ones]): each variable parsed once."""
-    values, problems = [], []
-    for reader in (pinned_cap, compression):
-        try:
-            values.append(reader())
-        except SettingError as e:
-            problems.append(str(e))
-    return values, problems
+def pinned_cap() -> int | None:
+    """The cap, for the host budget; None where it is unset (or malformed: ``read`` refuses that)."""
+    return _reading()[0].pinned_cap

@@ -15,12 +15,10 @@ nothing is pinned per image.
 from __future__ import annotations
 
 import bisect
-import ctypes
 import logging
 import math
 import mmap
 import os
-import sys
 import threading
 import warnings
 import weakref
@@ -28,13 +26,13 @@ import weakref
 import torch
 
 from .environment import pinned_cap
+from .ram import advise_mapped, available_ram, cache_headroom, total_ram
 
 GiB = 1 << 30
 _lock = threading.RLock()  # the counters; pools allocate from the upload threads and the main one
 _live = 0
 _pins = 0
 _in_place = {}  # start -> bytes of every page range locked where a file mapping keeps it
-MEMINFO = "/proc/meminfo"
 # working memory of a run beyond the headroom (latents, the decoded image, ComfyUI's temporaries)
 WORKING_MARGIN = GiB
 log = logging.getLogger("zimage")
@@ -50,91 +48,15 @@ def pin_calls() -> int:
     return _pins
 
 
-def _meminfo(field) -> int | None:
-    try:
-        with open(MEMINFO) as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
-def _ram(meminfo_field, windows_field, sysconf_pages) -> int | None:
-    """Linux: /proc/meminfo's field; Windows: GlobalMemoryStatusEx's; other POSIX systems:
-    sysconf's page count; None where none of them can be read."""
-    value = _meminfo(meminfo_field)
-    if value is not None:
-        return value
-    if sys.platform == "win32":
-        status = _windows_memory_status()
-        return None if status is None else getattr(status, windows_field)
-    try:
-        return os.sysconf(sysconf_pages) * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):  # not every POSIX system has these (macOS)
-        return None
-
-
-def available_ram() -> int | None:
-    """Physical RAM available now, or None where it cannot be read (MemAvailable on Linux counts
-    the page cache the kernel can drop)."""
-    return _ram("MemAvailable", "ullAvailPhys", "SC_AVPHYS_PAGES")
-
-
-def total_ram() -> int | None:
-    return _ram("MemTotal", "ullTotalPhys", "SC_PHYS_PAGES")
-
-
-def _windows_memory_status():
-    import ctypes
-
-    class MemoryStatusEx(ctypes.Structure):
-        _fields_ = [("dwLength", ctypes.c_uint32), ("dwMemoryLoad", ctypes.c_uint32),
-                    ("ullTotalPhys", ctypes.c_uint64), ("ullAvailPhys", ctypes.c_uint64),
-                    ("ullTotalPageFile", ctypes.c_uint64), ("ullAvailPageFile", ctypes.c_uint64),
-                    ("ullTotalVirtual", ctypes.c_uint64), ("ullAvailVirtual", ctypes.c_uint64),
-                    ("ullAvailExtendedVirtual", ctypes.c_uint64)]
-
-    status = MemoryStatusEx()
-    status.dwLength = ctypes.sizeof(status)
-    if not ctypes.windll.kernel32.GlobalMemoryStatusEx(ctypes.byref(status)):
-        return None
-    return status
-
-
-_MADV_WILLNEED = 3  # Linux
-_LIBC = ctypes.CDLL(None) if sys.platform.startswith("linux") else None
-
-
-def advise_mapped(t: torch.Tensor):
-    """Ask Linux to start reading the pages behind host tensor ``t`` now, where they map a file that
-    is not in the page cache (another model's weights, memory-mapped by their loader): the copy that
-    follows then does not fault them in a few pages at a time. A no-op for ordinary memory and
-    elsewhere."""
-    if _LIBC is None or t.device.type != "cpu" or not t.numel():
-        return
-    page = mmap.PAGESIZE
-    start = t.data_ptr() // page * page
-    stop = t.data_ptr() + t.numel() * t.element_size()
-    _LIBC.madvise(ctypes.c_void_p(start), ctypes.c_size_t(stop - start), _MADV_WILLNEED)
-
-
-def cache_headroom(total: int | None) -> int:
-    """The available RAM ComfyUI's RAM-pressure cache keeps by default on a machine with ``total``
-    bytes of RAM: 10% of it, at least 2 GB, at most 10 GB (ComfyUI counts in binary units)."""
-    if total is None:
-        return 2 * GiB
-    return int(min(10 * GiB, max(2 * GiB, total * 0.10)))
-
-
 class HostBudget:
     """What the pools of this process may still take. ``headroom``: the available RAM that must stay
     untouched (ComfyUI's RAM-cache headroom; the default is what ComfyUI keeps on this machine).
     ``claim(owner, nbytes)``: an owner expects to hold ``nbytes`` soon (the transformer's streamed
     layers, from its plan), so other owners leave that much to it however they come first."""
 
-    def __init__(self):
+    def __init__(self, cap: int | None = None):
+        """``cap``: the bytes the pools may hold in all (ZIMAGE_PINNED_GIB), None: no cap."""
+        self.cap = cap
         self.headroom = cache_headroom(total_ram())
         self.claims = {}  # owner -> bytes it expects to hold
         self.held = {}    # owner -> bytes its pools hold
@@ -142,8 +64,7 @@ class HostBudget:
     def room(self, owner: str) -> int:
         """Bytes ``owner`` may still allocate: the RAM's room, within ZIMAGE_PINNED_GIB."""
         room = self.ram_room(owner)
-        cap = pinned_cap()
-        return room if cap is None else max(0, min(room, cap - _live))
+        return room if self.cap is None else max(0, min(room, self.cap - _live))
 
     def ram_room(self, owner: str) -> int:
         """The RAM left to ``owner`` beside the headroom and the others' claims, whatever the cap
@@ -161,7 +82,7 @@ class HostBudget:
         self.held[owner] = self.held.get(owner, 0) + nbytes
 
 
-BUDGET = HostBudget()
+BUDGET = HostBudget(pinned_cap())
 
 
 def _host_register(buf) -> bool:
@@ -294,7 +215,6 @@ class HostPool:
         """Buffers of one owner (a model), within ``BUDGET`` and, where given, ``cap_bytes``
         (0: none at all, e.g. where the model's own tensors are the masters). ``pin``: page-lock
         them (default: where CUDA is)."""
-        pinned_cap()  # a malformed setting is refused where the first model loads
         self.owner = owner
         self.cap = None if cap_bytes is None else int(cap_bytes)
         self.pin = torch.cuda.is_available() if pin is None else pin

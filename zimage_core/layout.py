@@ -12,7 +12,7 @@ import torch
 from .config import ZImageConfig
 from .devices import device_of
 from .dit import BigWeights
-from .host_memory import advise_mapped
+from .ram import advise_mapped
 from .safetensors_file import read_many
 
 ALIGN = 256  # bytes; every matrix starts on the same alignment in every buffer
@@ -39,7 +39,12 @@ def staging_bytes(layout) -> int:
 def residency_order(n: int) -> tuple:
     """The order in which layers become resident: each next one in the middle of the longest
     run of streamed layers (the earliest of equal runs), so that the resident layers are spread
-    evenly through the stack for every count, and one more or one fewer moves no other layer."""
+    evenly through the stack for every count, and one more or one fewer moves no other layer.
+
+    Why spread: the copy engine can only run ahead of the compute by as many layers as there are
+    slots. Resident layers in one block (with the refiners before them) are a stretch of compute
+    during which the slots fill up and the copy engine idles; spread out, each resident layer is a
+    short pause that two slots cover, so the memory of extra slots goes to resident layers instead."""
     runs, order = [(0, n)], []
     while runs:
         a, b = max(runs, key=lambda run: (run[1] - run[0], -run[0]))

@@ -1,6 +1,6 @@
 """The device schedule of a layer stream: every block with big matrices (the refiners and the main
-layers, in the order a forward runs them), some resident on the device, spread through the stack,
-the others uploaded into a ring of device slots as the forward reaches them. Where each upload's
+layers, in the order a forward runs them), some resident on the device, spread through the stack
+(``residency_order`` says why), the others uploaded into a ring of device slots as the forward reaches them. Where each upload's
 bytes come from is the host side's (``host_masters``).
 
 Every upload (into a slot, or of a layer promoted to resident) runs on the stream's
@@ -23,10 +23,6 @@ again from its master or source when the patch goes. Others watch from outside: 
 (``observe``: the finiteness checks) see each layer's own values as it begins and the end of each
 forward; upload hooks (``register_upload_hook``: benchmarks, tests) wrap each upload into a slot.
 
-Why spread: the copy engine can only run ahead of the compute by as many layers as there are
-slots. Resident layers in one block (with the refiners before them) are a stretch of compute
-during which the slots fill up and the copy engine idles; spread out, each resident layer is a
-short pause that two slots cover, so the memory of extra slots goes to resident layers instead.
 """
 from __future__ import annotations
 
@@ -37,6 +33,7 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from . import compression
+from .device_decode import DeviceDecode
 from .host_masters import HostMasters
 from .host_memory import HostPool
 from .layout import StreamConfig, residency_order
@@ -57,14 +54,7 @@ class LayerStreamer:
         self._index = {i: j for j, i in enumerate(self.streamed)}  # layer -> its place in streamed
         self.slots = []
         self.copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
-        # compressed uploads: a run of chunks crosses on the copy stream into one of the device
-        # buffers (``compression.BUFFERS``) while the previous runs are decoded into the slot on this
-        # stream. Its priority is high: a decode is a few microseconds of work that would otherwise
-        # queue behind the step's matrix kernels while the copy stream waits for its buffer
-        self.decode_stream = (torch.cuda.Stream(self.device, priority=-1)
-                              if self.cuda and config.can_compress else None)
-        self._packed = []                      # [device buffer, event of the last decode from it]
-        self._packed_next = 0
+        self.decode = DeviceDecode(self.device, self.copy_stream) if self.cuda and config.can_compress else None
         self._ready, self._free = [], []
         # streamed layers are counted across forwards: position ``_base + j`` is the current
         # forward's j-th streamed layer and uses slot position % slots; uploads are queued up to
@@ -88,7 +78,7 @@ class LayerStreamer:
 
     @property
     def device_bytes(self) -> int:
-        return (self.n_resident + len(self.slots)) * self.layout.nbytes + len(self._packed) * compression.GROUP_BYTES
+        return (self.n_resident + len(self.slots)) * self.layout.nbytes + (self.decode.device_bytes if self.decode else 0)
 
     def _empty(self):
         return torch.empty(self.layout.numel, dtype=self.layout.dtype, device=self.device)
@@ -110,8 +100,8 @@ class LayerStreamer:
             self._patched.discard(i)
         del self.slots[n_slots:]
         del self._ready[n_slots:], self._free[n_slots:]
-        if not n_slots:
-            self._packed = []  # the decode's buffers serve the streamed layers (a promotion makes them again)
+        if not n_slots and self.decode:
+            self.decode.drop()  # its buffers serve the streamed layers (a promotion makes them again)
         self.streamed = [i for i in range(self.n_layers) if i not in keep]
         self._index = {i: j for j, i in enumerate(self.streamed)}
         self.drop_queued()
@@ -170,7 +160,8 @@ class LayerStreamer:
         self.slots.clear()
         self._ready.clear(), self._free.clear()
         self.drop_queued()
-        self._packed = []
+        if self.decode:
+            self.decode.drop()
         self.masters.release()
 
     def synchronize(self):
@@ -178,8 +169,8 @@ class LayerStreamer:
         self.uploads.wait()
         if self.cuda:
             self.copy_stream.synchronize()
-            if self.decode_stream is not None:
-                self.decode_stream.synchronize()
+            if self.decode:
+                self.decode.stream.synchronize()
             torch.cuda.current_stream(self.device).synchronize()
 
     # -- uploads ----------------------------------------------------------------------------
@@ -201,32 +192,13 @@ class LayerStreamer:
             m.stage(i, dst)
 
     def _decode(self, i, dst):
-        """Layer i from its compressed master into ``dst``: on a GPU each run of chunks
-        (``compression.groups``) crosses into the next of ``compression.BUFFERS`` device buffers on
-        the copy stream and is decoded on the decode stream, so the next runs cross while this one is
-        decoded. Returns the decode stream, where the layer is done (the slot's ready event is
-        recorded there): the copy stream goes on to the next upload without waiting for the last
-        decode."""
+        """Layer i from its compressed master into ``dst``: on a GPU through ``DeviceDecode`` (returns
+        the stream where the layer is done), on the CPU here."""
         m = self.masters
         if not self.cuda:
             compression.decode_all(m.codes[i], m.host[i], dst)
             return
-        if not self._packed:
-            self._packed = [[torch.empty(compression.GROUP_BYTES, dtype=torch.uint8, device=self.device),
-                             torch.cuda.Event()] for _ in range(compression.BUFFERS)]
-        for run, rows in m.runs[i]:
-            packed, decoded = self._packed[self._packed_next]
-            self._packed_next = (self._packed_next + 1) % len(self._packed)
-            start, nbytes = run[0].offset, sum(c.nbytes for c in run)
-            self.copy_stream.wait_event(decoded)  # the decode from this buffer has finished
-            packed[:nbytes].copy_(m.host[i][start:start + nbytes], non_blocking=True)
-            copied = torch.cuda.Event()
-            copied.record(self.copy_stream)
-            self.decode_stream.wait_event(copied)
-            with torch.cuda.stream(self.decode_stream):
-                compression.decode_run(packed[:nbytes], run, dst, rows)
-            decoded.record(self.decode_stream)
-        return self.decode_stream
+        return self.decode.upload(m.host[i], m.runs[i], dst)
 
     def _read_ahead_next(self, i):
         """While layer i gets its master (the first forward), the OS reads the next streamed layer

@@ -13,34 +13,28 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from dataclasses import dataclass
 
 import torch
 
-from . import attention_input, compression, elementwise, host_memory, planner
-from .calibration import Calibration
+from . import attention_input, compression, device_memory, elementwise, host_memory, planner
 from .checkpoint import Checkpoint
 from .config import BIG_KEYS, ZImageConfig
 from .device_copies import DeviceCopies, module_tensors
 from .devices import device_free_bytes
-from .dit import Chunks, ZImageDiT, sdpa_attention
+from .dit import ZImageDiT, cpu_chunks, sdpa_attention
 from .errors import CheckpointError, NonFiniteWeights, OutOfDeviceMemory, ZImageError
-from .host_memory import HostPool, available_ram, locks_files
+from .host_memory import HostPool, locks_files
 from .image_size import ImageSize
+from .ram import available_ram
 from .layout import PackLayout, StreamConfig
+from .settings import COMPUTE_DTYPES, STORAGE_DTYPES, Settings
 from .status import SplitStatus
+from .split_planner import SplitPlanner
 from .streamer import LayerStreamer
 from .weight_checks import FiniteChecks
 from .weights import Weights
 
 log = logging.getLogger("zimage")
-
-COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-STORAGE_DTYPES = dict(COMPUTE_DTYPES, fp8_e4m3fn=torch.float8_e4m3fn)
-# On the CPU a block runs in pieces of about this much work, so that an interrupt (checked between
-# pieces) stops a 2048x2048 step within a second or so even on two cores
-CPU_PIECE_FLOPS = 2e10
-
 
 def layer_pieces(ckpt: Checkpoint, prefix: str) -> dict:
     """A block's five big matrices in ``ckpt``: {name: [(row, StoredTensor)]}, as a stream reads them."""
@@ -52,18 +46,6 @@ def fixed_tensor(ckpt: Checkpoint, key: str, dtype: torch.dtype, mapped: bool) -
     the file stores it so, else read into a tensor of its own."""
     t = ckpt.mapped(key, dtype) if mapped else None
     return ckpt.tensor(key, dtype=dtype) if t is None else t
-
-
-@dataclass(frozen=True)
-class Settings:
-    """What a loaded transformer is told once, at load (the loader node's inputs and the pack's
-    environment), and reads when it plans: nothing is set on it afterwards."""
-    max_resident: int | None = None   # the most layers kept on the device (None: as many as fit)
-    leave_free: int = 0               # bytes of device memory the plan leaves to others
-    pinned_cap: int | None = None     # host bytes this model may hold, beside the process-wide budget
-    # bf16 masters stored compressed, fewer bytes in RAM and over the bus: "off", "on", or "auto"
-    # (where the planner finds that it shortens the step: ``planner.plan``)
-    compress: str = "off"
 
 
 def check_kernels_soon(device, total_bytes: int, compress: bool = True):
@@ -96,7 +78,7 @@ class ZImageTransformer(torch.nn.Module):
         self.settings = settings
         self.plan: planner.Plan | None = None
         self.status = SplitStatus(self.cfg, streamer, settings)
-        self.calibration = Calibration(self.cfg, self.dtype, streamer)
+        self.planner = SplitPlanner(self.cfg, self.dtype, streamer, settings)
         checks = FiniteChecks(self.cfg.n_blocks)
         streamer.observe(checks)
         self.weights = Weights(model, streamer, ckpt, fixed, checks)
@@ -189,7 +171,7 @@ class ZImageTransformer(torch.nn.Module):
 
     def activation_bytes(self, size: ImageSize) -> int:
         """The activations a forward of ``size`` needs on the device, by the planner's estimate."""
-        return planner.activation_bytes(self.cfg, size.width, size.height, size.batch, dtype=self.dtype,
+        return device_memory.activation_bytes(self.cfg, size.width, size.height, size.batch, dtype=self.dtype,
                                         storage=self.storage_dtype)
 
     def to_device(self):
@@ -216,65 +198,13 @@ class ZImageTransformer(torch.nn.Module):
             return 1 << 62
         return device_free_bytes(self.device) + self.device_bytes()
 
-    def chunks(self, width, height, batch=1) -> Chunks | None:
-        """On the CPU, blocks run in pieces of about ``CPU_PIECE_FLOPS`` (rows for the projections and
-        the FFN, queries for the attention) with an interrupt check between them; on a GPU, whole."""
-        if self.device.type != "cpu":
-            return None
-        cfg = self.cfg
-        tokens = batch * (cfg.image_tokens(width, height) + 512)
-        rows = int(CPU_PIECE_FLOPS / (2 * batch * cfg.dim * max(3 * cfg.dim, cfg.ffn_dim)))
-        queries = int(CPU_PIECE_FLOPS / (4 * batch * tokens * cfg.dim))
-        return Chunks(max(32, rows // 32 * 32), max(16, queries // 16 * 16), self.check_interrupt)
-
-    def limits(self, resident: int | None = None) -> planner.Limits:
-        """The limits of this model's next plan: its settings, and the host room its masters have."""
-        return planner.Limits(max_resident=self.settings.max_resident, resident=resident,
-                              leave_free=self.settings.leave_free, host_room=self.host_room())
-
-    def make_plan(self, width, height, batch=1, free_bytes=None, text_tokens=planner.TEXT_TOKENS,
-                  resident: int | None = None) -> planner.Plan:
-        free = self.free_bytes() if free_bytes is None else free_bytes
-        limits = self.limits(resident)
-        can_compress = self.streamer.config.can_compress
-        mode = self.settings.compress if can_compress else "off"
-        if self.device.type == "cpu":
-            c = self.chunks(width, height, batch)
-            # max_resident_layers holds on the CPU too: the others stream from their host masters
-            return planner.plan_host(self.cfg, free, width, height, batch, limits, dtype=self.dtype,
-                                     chunk_rows=c.rows, chunk_queries=c.queries, compress=mode, text_tokens=text_tokens)
-        sizes = dict(storage=self.storage_dtype, dtype=self.dtype, text_tokens=text_tokens)
-        if mode != "on":  # a card that holds every layer: nothing to measure, nothing to compress
-            whole = planner.plan(self.cfg, free, width, height, batch, limits, **sizes)
-            if whole.fits and not whole.streamed_layers:
-                return whole
-        tokens = self.cfg.image_tokens(width, height) * batch
-        # on a card the current split fills, resident layers make way for the measurement
-        ratio, file_copy, upload_s = self.calibration.ratios(tokens, self._evict_one)
-        limits = self.limits(resident)  # the measurement may have evicted layers and made their masters
-        split = lambda **kw: planner.plan(self.cfg, free, width, height, batch, limits, compute_copy_ratio=ratio,
-                                          file_copy=file_copy, **sizes, **kw)
-        if mode == "auto" and ratio is not None and not split(compress="auto", decode=0.0).compressed:
-            mode = "off"  # not even a decode that took no time would shorten a step: no check to wait for
-        if mode != "off" and not (self.device.type == "cuda" and compression.decodes_on(self.device)):
-            mode = "off"  # it says why, once
-        decode = self.calibration.decode_ratio(upload_s) if mode != "off" else 0.0
-        return split(compress=mode, decode=decode)
-
-    def host_room(self) -> int | None:
-        """Host bytes the streamed layers' masters may take: those they hold, and what the budget
-        leaves after the staging buffers every upload from the file needs. None on the CPU."""
-        s = self.streamer
-        if not s.cuda:
-            return None
-        m = s.masters
-        return m.master_layers * m.master_bytes + max(0, s.pool.room() - m.staging_due())
-
     def prepare(self, width, height, batch=1, resident_layers=None, free_bytes=None,
                 text_tokens=planner.TEXT_TOKENS) -> planner.Plan:
         """Set the split for an image of this size and a prompt of up to ``text_tokens`` tokens:
         planned, or forced to ``resident_layers``."""
-        p = self.make_plan(width, height, batch, free_bytes, text_tokens, resident_layers)
+        free = self.free_bytes() if free_bytes is None else free_bytes
+        # on a card the current split fills, resident layers make way for the device's measurement
+        p = self.planner.plan(width, height, batch, free, text_tokens, resident_layers, self._evict_one)
         if resident_layers is None and not p.fits:
             raise OutOfDeviceMemory(p.summary())
         self.plan = p
@@ -375,7 +305,8 @@ class ZImageTransformer(torch.nn.Module):
                 size.width, size.height, size.batch, tokens) or (self.streamer.n_streamed and not self.streamer.slots):
             self.prepare(size.width, size.height, size.batch, text_tokens=tokens)
         self.weights.check_fixed()
-        chunks = self.chunks(size.width, size.height, size.batch)
+        chunks = cpu_chunks(self.cfg, size.width, size.height, size.batch, self.check_interrupt) \
+            if self.device.type == "cpu" else None
         while True:
             try:
                 out = self.model(x, timesteps, context, num_tokens, attention_mask, transformer_options,
