@@ -69,8 +69,8 @@ def test_streamed_stack_equals_whole_model(device, slots):
     enc, ids, whole = encoder_and_output(device, seed=0)
     own, where = values(enc), addresses(enc.layers)
     before = live_bytes()
-    stack = StreamedStack(enc, device, HostPool(), slots=slots)
-    stack.max_resident = 0  # every layer through the slots, even where the GPU has room for them
+    # every layer through the slots, even where the GPU has room for them
+    stack = StreamedStack(enc, device, HostPool(), slots=slots, max_resident=0)
     if slots < len(enc.layers):
         assert stack.loaded_bytes < sum(p.nbytes for p in enc.parameters())
     assert stack.tables == [enc.embed]  # looked up on the host: neither uploaded nor counted
@@ -104,7 +104,8 @@ def test_a_stack_the_gpu_has_room_for_stays_there_between_runs():
         assert not uploads  # nothing streamed: the second run uploads nothing
     assert stack.device_bytes() > stack.loaded_bytes  # more than it needs, from memory nobody held
     assert stack.unload() > 0 and stack.device_bytes() == 0
-    stack.max_resident = 1
+    stack.release()
+    stack = StreamedStack(enc, "cuda", HostPool(), slots=2, max_resident=1)
     with stack.running():
         assert torch.equal(enc(ids), whole)
     assert stack.streamer.n_resident == 1 and len(stack.streamer.slots) == 2
@@ -241,8 +242,7 @@ def test_file_mapped_weights_are_locked_in_place_and_stream_identically(tmp_path
     where = addresses(enc)
     before = live_bytes()
     pool = HostPool()
-    stack = StreamedStack(enc, "cuda", pool, slots=2)
-    stack.max_resident = 0
+    stack = StreamedStack(enc, "cuda", pool, slots=2, max_resident=0)
     assert stack.streamer.pinned_sources and pool.in_place > 0
     for _ in range(2):
         with stack.running():

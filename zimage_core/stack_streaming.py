@@ -57,7 +57,8 @@ def _ids_to_host(table, args):
 
 
 class StreamedStack:
-    def __init__(self, root: torch.nn.Module, device, pool: HostPool, slots: int = 3):
+    def __init__(self, root: torch.nn.Module, device, pool: HostPool, slots: int = 3, max_resident: int | None = None):
+        """``max_resident``: the most layers kept on the device (None: as many as there is room for)."""
         self.root, self.device, self.pool = root, device_of(device), pool
         self.layers = find_stack(root)
         self.slots_of = [_param_slots(layer) for layer in self.layers]
@@ -87,7 +88,7 @@ class StreamedStack:
                        and m.weight.device.type == "cpu" and id(m) not in inside]
         self.outside = DeviceCopies(module_tensors(root, skip=inside | {id(m) for m in self.tables}),
                                     self.device, pool)
-        self.max_resident = None      # layers kept on the device (None: as many as there is room for)
+        self.max_resident = max_resident
         self._running = None          # the layers' own parameters, while running
         self._next = 0                # the layer the ring has ready next
 
