@@ -10,6 +10,7 @@
 #   against the CUDA build and fail to load beside the CPU one, and ComfyUI imports torchvision.
 # - torchaudio 2.11.0 without its pin on torch (its newest release): ComfyUI v0.20 and later import
 #   it when they load, and nothing a Z-Image workflow runs calls it.
+# And gguf: the reference the quantization tests check the pack's dequantization against.
 set -euo pipefail
 tree=$1 venv=$2
 [ -f "$tree/requirements.txt" ] || { echo "no requirements.txt in $tree: not a ComfyUI tree" >&2; exit 2; }
@@ -19,5 +20,5 @@ reqs=$(mktemp)
 trap 'rm -f "$reqs"' EXIT
 grep -v -E '^\s*(torch|torchvision|torchaudio)\s*$' "$tree/requirements.txt" >"$reqs"
 # requests: v0.8.0 imports it at start without listing it
-python3 -m pip install -q "torch==2.14.1" "torchvision==0.29.1" -r "$reqs" requests pytest
+python3 -m pip install -q "torch==2.14.1" "torchvision==0.29.1" -r "$reqs" requests pytest gguf
 python3 -m pip install -q --no-deps "torchaudio==2.11.0"

@@ -1,0 +1,45 @@
+"""GGML block dequantization in torch (zimage_core/quants.py) against the gguf package's reference,
+to the bit, for every type the pack reads; blocks of random bytes with finite scales (every byte
+pattern of a quant is a valid value)."""
+import numpy as np
+import pytest
+import torch
+
+from zimage_core import quants
+
+gguf_quants = pytest.importorskip("gguf.quants", reason="the gguf package (pip install gguf) is the reference")
+
+# byte offsets of each block's float16 scales
+SCALES = {"Q8_0": [0], "Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
+
+
+def random_blocks(type_name, n_blocks, seed):
+    _, nbytes, _ = quants.TYPES[type_name]
+    g = np.random.default_rng(seed)
+    blocks = g.integers(0, 256, size=(n_blocks, nbytes), dtype=np.uint8)
+    for at in SCALES[type_name]:
+        scale = (g.standard_normal(n_blocks) * 0.01).astype(np.float16)
+        blocks[:, at:at + 2] = scale.view(np.uint8).reshape(n_blocks, 2)
+    return blocks
+
+
+@pytest.mark.parametrize("type_name", list(quants.TYPES))
+def test_dequantized_weights_equal_the_gguf_reference_to_the_bit(type_name):
+    elements = quants.TYPES[type_name][0]
+    blocks = random_blocks(type_name, 64, seed=len(type_name))
+    qtype = getattr(gguf_quants.GGMLQuantizationType, type_name)
+    want = gguf_quants.dequantize(blocks.reshape(-1), qtype).reshape(8, -1)
+    got = quants.dequantize(torch.from_numpy(blocks), type_name, (8, 64 * elements // 8))
+    assert got.dtype == torch.float32 and tuple(got.shape) == want.shape
+    assert np.array_equal(got.numpy().view(np.uint32), want.astype(np.float32).view(np.uint32))
+
+
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_0", "Q4_1", "Q5_0"])
+def test_quantized_by_the_reference_and_back(type_name):
+    """Weights quantized by the gguf package dequantize to what it dequantizes them to."""
+    w = (np.random.default_rng(3).standard_normal((16, 256)) * 0.02).astype(np.float32)
+    qtype = getattr(gguf_quants.GGMLQuantizationType, type_name)
+    data = gguf_quants.quantize(w, qtype)
+    want = gguf_quants.dequantize(data, qtype)
+    got = quants.dequantize(torch.from_numpy(np.ascontiguousarray(data)).reshape(-1), type_name, (16, 256))
+    assert np.array_equal(got.numpy(), want) and np.abs(got.numpy() - w).max() < 0.2 * np.abs(w).max()
