@@ -1,0 +1,89 @@
+"""GGUF transformer files as ComfyUI-GGUF's converter writes them: every tensor read back as the
+gguf package dequantizes it, and each bad file refused in one line naming what is wrong."""
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import TINY
+from tools.random_weights import write_checkpoint
+from zimage_core.checkpoint import Checkpoint
+from zimage_core.config import BIG_KEYS
+from zimage_core.errors import CheckpointError
+from zimage_core.gguf_file import PREFIX, read_gguf
+
+gguf = pytest.importorskip("gguf", reason="the gguf package (pip install gguf) writes the test files")
+BIG = tuple(f"{k}.weight" for k in BIG_KEYS.values())
+
+
+def write_gguf(path, weights, quant="Q8_0", arch="lumina2", prefix="", raw_type=None):
+    """The checkpoint ``weights`` as a GGUF: its big matrices in ``quant`` (or stored with ``raw_type``'s
+    type code over Q8_0 bytes), the rest F32. Returns {key: the values the gguf package reads back}."""
+    ck = Checkpoint(weights)
+    w = gguf.GGUFWriter(str(path), arch)
+    want = {}
+    for key in ck.keys():
+        t = ck.tensor(key, dtype=torch.float32).numpy()
+        if key.endswith(BIG):
+            qtype = getattr(gguf.GGMLQuantizationType, quant)
+            data = gguf.quants.quantize(t, qtype)
+            want[key] = gguf.quants.dequantize(data, qtype)
+            w.add_tensor(PREFIX * bool(prefix) + key, data, raw_dtype=raw_type or qtype)
+        else:
+            want[key] = t
+            w.add_tensor(PREFIX * bool(prefix) + key, t)
+    ck.close()
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return want
+
+
+@pytest.fixture(scope="module")
+def tiny_bf16(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("gguf") / "tiny.safetensors")
+    write_checkpoint(path, TINY, dtype=torch.float32, seed=2)
+    return path
+
+
+@pytest.mark.parametrize("quant, prefix", [("Q8_0", False), ("Q4_0", True), ("Q4_1", False), ("Q5_0", False)])
+def test_every_tensor_reads_back_as_the_gguf_package_reads_it(tmp_path, tiny_bf16, quant, prefix):
+    want = write_gguf(tmp_path / "tiny.gguf", tiny_bf16, quant, prefix=prefix)
+    got = read_gguf(str(tmp_path / "tiny.gguf"))
+    assert set(got) == set(want)
+    quantized = [k for k, t in got.items() if t.type_name == quant]
+    assert len(quantized) == 5 * TINY.n_blocks  # every big matrix, stored quantized
+    for key, t in got.items():
+        assert tuple(t.shape) == want[key].shape, key
+        assert np.array_equal(t.values().numpy(), want[key]), key
+    # the stored bytes are the file's, not a copy: a quantized matrix takes its blocks' bytes
+    k = quantized[0]
+    assert got[k].data.numel() < got[k].values().numel() * 2
+
+
+def test_a_gguf_of_another_architecture_is_refused(tmp_path, tiny_bf16):
+    write_gguf(tmp_path / "flux.gguf", tiny_bf16, arch="flux")
+    with pytest.raises(CheckpointError, match=r"flux.gguf: is a GGUF of architecture 'flux', not a Z-Image"):
+        read_gguf(str(tmp_path / "flux.gguf"))
+
+
+def test_a_type_the_pack_cannot_dequantize_is_named(tmp_path, tiny_bf16):
+    # IQ4_NL blocks are as long as Q4_0's (18 bytes for 32 weights): a file that stores them
+    write_gguf(tmp_path / "iq.gguf", tiny_bf16, quant="Q4_0", raw_type=gguf.GGMLQuantizationType.IQ4_NL)
+    with pytest.raises(CheckpointError) as e:
+        read_gguf(str(tmp_path / "iq.gguf"))
+    msg = str(e.value)
+    assert "as IQ4_NL, which this pack cannot dequantize" in msg and "Q8_0" in msg and "\n" not in msg
+
+
+def test_a_truncated_gguf_is_refused(tmp_path, tiny_bf16):
+    path = tmp_path / "cut.gguf"
+    write_gguf(path, tiny_bf16)
+    os.truncate(path, os.path.getsize(path) * 2 // 3)
+    with pytest.raises(CheckpointError, match=r"cut.gguf: .*(truncated|damaged)"):
+        read_gguf(str(path))
+    os.truncate(path, 100)  # inside the header
+    with pytest.raises(CheckpointError, match=r"cut.gguf: .*(truncated|damaged)"):
+        read_gguf(str(path))

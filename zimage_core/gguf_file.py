@@ -1,0 +1,87 @@
+"""A GGUF transformer file, as ComfyUI-GGUF's converter writes Z-Image (architecture ``lumina2``,
+ComfyUI's key names, optionally behind ``model.diffusion_model.``), read with the ``gguf`` package
+(imported here only, where a GGUF file is read) and memory-mapped: each tensor is its stored bytes
+(a quantized one its blocks, ``quants``) and its shape in torch's order, read when asked."""
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from . import quants
+from .errors import CheckpointError
+
+ARCHITECTURES = ("lumina2",)    # what ComfyUI-GGUF's converter names a Z-Image (Lumina 2 family) file
+PREFIX = "model.diffusion_model."
+PLAIN = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+_FIX = "Pick a Z-Image-Turbo GGUF (e.g. z_image_turbo-Q8_0.gguf) in models/diffusion_models."
+
+
+@dataclass(frozen=True)
+class GGUFTensor:
+    type_name: str        # GGML's name of its type: F32, F16, BF16, Q8_0, Q4_K, ...
+    shape: tuple          # in torch's order
+    data: torch.Tensor    # its bytes (uint8), a view of the file's mapping
+
+    def values(self, dtype=torch.float32) -> torch.Tensor:
+        """The weights, dequantized (or cast) to ``dtype``, where ``data`` lives."""
+        if self.type_name in PLAIN:
+            return self.data.view(PLAIN[self.type_name]).reshape(self.shape).to(dtype)
+        return quants.dequantize(self.data, self.type_name, self.shape, dtype)
+
+
+def _field(reader, name):
+    """A scalar string field's value, or None."""
+    field = reader.get_field(name)
+    if field is None:
+        return None
+    return bytes(field.parts[field.data[-1]]).decode("utf-8", errors="replace")
+
+
+def _shape(reader, tensor) -> tuple:
+    """ComfyUI-GGUF's recorded original shape where it wrote one, else the file's (GGML lists the
+    fastest dimension first: torch's order reversed)."""
+    field = reader.get_field(f"comfy.gguf.orig_shape.{tensor.name}")
+    if field is not None:
+        return tuple(int(field.parts[i][0]) for i in field.data)
+    return tuple(int(v) for v in reversed(tensor.shape))
+
+
+def read_gguf(path) -> dict:
+    """{canonical key: GGUFTensor} of a Z-Image GGUF file; a ``CheckpointError`` naming what is
+    wrong for a file that is truncated, not GGUF, of another architecture, or holds a type the
+    pack cannot dequantize."""
+    try:
+        import gguf
+    except ImportError:
+        raise CheckpointError(path, "is a GGUF file, and reading one needs the gguf package, which is not "
+                                    "installed.", "Install it into ComfyUI's Python: python -m pip install gguf") from None
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # numpy: the mapping is read-only by design
+            reader = gguf.GGUFReader(path)
+    except (ValueError, OSError, IndexError, KeyError) as e:
+        raise CheckpointError(path, f"cannot be read as GGUF ({e}): it is damaged or truncated (an "
+                                    "interrupted download?).", "Download it again.") from None
+    arch = _field(reader, "general.architecture")
+    if arch is not None and arch not in ARCHITECTURES:
+        raise CheckpointError(path, f"is a GGUF of architecture {arch!r}, not a Z-Image transformer.", _FIX)
+    prefixed = any(t.name.startswith(PREFIX) for t in reader.tensors)
+    out = {}
+    for t in reader.tensors:
+        if prefixed and not t.name.startswith(PREFIX):
+            continue
+        type_name = getattr(t.tensor_type, "name", str(t.tensor_type))
+        if type_name not in PLAIN and type_name not in quants.TYPES:
+            readable = ", ".join([*PLAIN, *quants.TYPES])
+            raise CheckpointError(path, f"stores {t.name} as {type_name}, which this pack cannot dequantize "
+                                        f"(it reads {readable}).", "Use a file of one of those types.")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch: the array is not writable (a read-only mapping)
+            data = torch.from_numpy(t.data.reshape(-1).view("uint8"))
+        if data.numel() != int(t.n_bytes):
+            raise CheckpointError(path, f"ends inside {t.name}: it is truncated (an interrupted download?).",
+                                  "Download it again.")
+        out[t.name[len(PREFIX):] if prefixed else t.name] = GGUFTensor(type_name, _shape(reader, t), data)
+    return out
