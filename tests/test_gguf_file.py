@@ -87,3 +87,38 @@ def test_a_truncated_gguf_is_refused(tmp_path, tiny_bf16):
     os.truncate(path, 100)  # inside the header
     with pytest.raises(CheckpointError, match=r"cut.gguf: .*(truncated|damaged)"):
         read_gguf(str(path))
+
+
+def test_a_gguf_loads_and_computes_what_its_dequantized_weights_compute(tmp_path, tiny_bf16):
+    """The transformer loaded from a GGUF (Q8_0 layers) gives, at every split, the output of the same
+    transformer loaded from a safetensors file of the weights the gguf package dequantizes."""
+    from safetensors.torch import save_file
+    from conftest import inputs
+    from zimage_core.transformer import ZImageTransformer
+
+    want = write_gguf(tmp_path / "tiny.gguf", tiny_bf16, "Q8_0")
+    save_file({k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in want.items()}, str(tmp_path / "ref.safetensors"))
+    ck = Checkpoint(str(tmp_path / "tiny.gguf"))
+    assert ck.config == TINY and ck.quantized("layers.0.attention.qkv.weight") and not ck.quantized("x_pad_token")
+    ck.close()
+    x, t, ctx = inputs(TINY)
+    ref = ZImageTransformer.load(str(tmp_path / "ref.safetensors"), device="cpu", dtype="fp32")
+    expected = ref(x, t, ctx)
+    ref.release()
+    m = ZImageTransformer.load(str(tmp_path / "tiny.gguf"), device="cpu", dtype="fp32")
+    s = m.streamer
+    assert s.config.quantized
+    for resident in (TINY.n_blocks, 2, 0):
+        m.prepare(64, 48, resident_layers=resident)
+        assert torch.equal(m(x, t, ctx), expected), resident
+    # the streamed layers' masters hold their Q8_0 blocks (34 bytes for 32 weights), not their values
+    masters = [i for i in range(TINY.n_blocks) if s.masters.blocks[i] is not None]
+    assert masters and all(s.masters.host[i].dtype == torch.uint8 for i in masters)
+    assert s.masters.master_bytes < 0.3 * s.layout.nbytes
+    # a weight written into a quantized layer (set_weight) makes its master plain, and comes back
+    key = f"{TINY.block_names()[masters[0]]}.feed_forward.w2.weight"
+    m.weights.set(key, m.weights.base(key) * 1.5)
+    assert s.masters.plain(masters[0]) and not torch.equal(m(x, t, ctx), expected)
+    m.weights.set(key, m.weights.base(key))
+    assert torch.equal(m(x, t, ctx), expected)
+    m.release()

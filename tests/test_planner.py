@@ -343,3 +343,19 @@ def test_the_transformer_plans_for_the_prompt_it_gets(tiny_file):
     for tokens, planned in ((20, 512), (600, 1024), (30, 512)):
         t(x, ts, torch.randn(1, tokens, TINY.cap_feat_dim))
         assert t.plan.text_tokens == planned, (tokens, t.plan.text_tokens)
+
+
+def test_layers_stored_quantized_are_planned_at_their_stored_bytes():
+    """A GGUF's layers stream as their blocks: a master takes the blocks' bytes (so the same RAM pins
+    four times the Q4 layers), an upload moves them (a step's copies cost a quarter), and the
+    device keeps room for the decode's buffers."""
+    layer = plan(FULL, int(5.5 * GiB), 1024, 1024).layer_bytes
+    room = Limits(host_room=5 * layer)
+    plain = plan(FULL, int(5.5 * GiB), 1024, 1024, limits=room)
+    q4 = plan(FULL, int(5.5 * GiB), 1024, 1024, limits=room, stored=layer // 4)
+    assert plain.pinned_layers == 5 and q4.pinned_layers == min(q4.streamed_layers, 20)
+    assert q4.master_bytes == layer // 4 and q4.pinned_host_bytes == q4.pinned_layers * layer // 4
+    from zimage_core.device_memory import CODEC_BYTES
+    assert q4.needed_bytes == plan(FULL, int(5.5 * GiB), 1024, 1024).needed_bytes + CODEC_BYTES
+    bound = lambda stored: plan(FULL, int(5.5 * GiB), 1024, 1024, compute_copy_ratio=0.5, stored=stored)
+    assert bound(layer // 4).resident_layers <= plain.resident_layers  # the decode's buffers take room

@@ -14,6 +14,7 @@ import torch
 
 from .config import BIG_KEYS, ZImageConfig
 from .errors import CheckpointError
+from .gguf_file import GGUFFile
 from .safetensors_file import SafetensorsFile
 
 COMFY_PREFIX = "model.diffusion_model."
@@ -89,7 +90,7 @@ class Checkpoint:
 
     def __init__(self, path):
         self.path = os.fspath(path)
-        self.files = [SafetensorsFile(p) for p in _shard_paths(self.path)]
+        self.files = [GGUFFile(p) if p.endswith(".gguf") else SafetensorsFile(p) for p in _shard_paths(self.path)]
         try:
             self._index = self._canonical_index()
             self.config = self._read_config()
@@ -136,6 +137,17 @@ class Checkpoint:
     def dtype(self, key) -> torch.dtype:
         _, f, k = self._index[key][0]
         return f.dtype(k)
+
+    def quantized(self, key) -> bool:
+        """Canonical ``key`` is stored in blocks of a GGML quantization (a GGUF file's ``quants``)."""
+        return any(f.quantized(k) for _, f, k in self._index[key])
+
+    @property
+    def streams_blocks(self) -> bool:
+        """A GGUF whose layers' matrices are each one stored tensor: its layers can stream as stored
+        (``StreamConfig.quantized``)."""
+        return all(isinstance(f, GGUFFile) for f in self.files) and all(
+            len(self._index[k]) == 1 for k in self._index if k.endswith(tuple(f"{v}.weight" for v in BIG_KEYS.values())))
 
     @property
     def storage_dtype(self) -> torch.dtype:

@@ -1,13 +1,19 @@
-"""Compressed masters' uploads on a GPU: a layer's runs of chunks (``compression.groups``) cross on
-the copy stream into the next of ``compression.BUFFERS`` device buffers and are decoded into the
-layer's slot on a decode stream of their own, so the next runs cross while one is decoded. The
-decode stream's priority is high: a decode is a few microseconds of work that would otherwise queue
-behind the step's matrix kernels while the copy stream waits for its buffer."""
+"""Coded layers' uploads on a GPU: a compressed master's runs of chunks (``compression.groups``), or a
+quantized layer's blocks a run at a time, cross on the copy stream into the next of
+``compression.BUFFERS`` device buffers and are decoded into the layer's slot on a decode stream of
+their own, so the next runs cross while one is decoded. The decode stream's priority is high: a
+decode is a few microseconds of work that would otherwise queue behind the step's matrix kernels
+while the copy stream waits for its buffer."""
 from __future__ import annotations
 
 import torch
 
-from . import compression
+from . import compression, quants
+from .gguf_file import PLAIN
+
+# a quantized run is dequantized this many weights at a time: the float32 temporaries of a whole
+# matrix (10240x3840) would take 0.5 GiB of device memory beside the step
+QUANT_PIECE = 4 << 20
 
 
 class DeviceDecode:
@@ -25,23 +31,59 @@ class DeviceDecode:
         """Free the buffers (the next upload makes them again)."""
         self._buffers = []
 
+    def _cross(self, src, decode):
+        """``src`` (host bytes, at most a buffer) into the next buffer on the copy stream, then
+        ``decode(its bytes on the device)`` on the decode stream."""
+        if not self._buffers:
+            self._buffers = [[torch.empty(compression.GROUP_BYTES, dtype=torch.uint8, device=self.device),
+                              torch.cuda.Event()] for _ in range(compression.BUFFERS)]
+        packed, decoded = self._buffers[self._next]
+        self._next = (self._next + 1) % len(self._buffers)
+        self.copy_stream.wait_event(decoded)  # the decode from this buffer has finished
+        packed[:src.numel()].copy_(src, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record(self.copy_stream)
+        self.stream.wait_event(copied)
+        with torch.cuda.stream(self.stream):
+            decode(packed[:src.numel()])
+        decoded.record(self.stream)
+
     def upload(self, host, runs, dst) -> torch.cuda.Stream:
         """A compressed master ``host`` with its ``runs`` (runs of chunks and their tables on the
         device) into ``dst``. Returns the decode stream, where the layer is done: the copy stream goes
         on to the next upload without waiting for the last decode."""
-        if not self._buffers:
-            self._buffers = [[torch.empty(compression.GROUP_BYTES, dtype=torch.uint8, device=self.device),
-                              torch.cuda.Event()] for _ in range(compression.BUFFERS)]
         for run, rows in runs:
-            packed, decoded = self._buffers[self._next]
-            self._next = (self._next + 1) % len(self._buffers)
             start, nbytes = run[0].offset, sum(c.nbytes for c in run)
-            self.copy_stream.wait_event(decoded)  # the decode from this buffer has finished
-            packed[:nbytes].copy_(host[start:start + nbytes], non_blocking=True)
-            copied = torch.cuda.Event()
-            copied.record(self.copy_stream)
-            self.stream.wait_event(copied)
-            with torch.cuda.stream(self.stream):
-                compression.decode_run(packed[:nbytes], run, dst, rows)
-            decoded.record(self.stream)
+            self._cross(host[start:start + nbytes], lambda b, run=run, rows=rows: compression.decode_run(b, run, dst, rows))
+        return self.stream
+
+    def dequantize(self, blocks: dict, layout, dst) -> torch.cuda.Stream:
+        """A quantized layer's matrices ({name: GGUFTensor} in host memory) into the packed layer
+        ``dst``: a run of whole blocks (at most a buffer) at a time, dequantized ``QUANT_PIECE``
+        weights at a time; a matrix the file stores plain, its values cast. Returns the decode
+        stream, where the layer is done."""
+        for name, t in blocks.items():
+            region = layout.region(dst, name).view(-1)
+            if t.type_name in PLAIN:
+                values = t.data.view(PLAIN[t.type_name])
+                step = compression.GROUP_BYTES // values.element_size()
+                for a in range(0, values.numel(), step):
+                    part = values[a:a + step]
+                    self._cross(part.view(torch.uint8),
+                                lambda b, a=a, n=part.numel(), d=part.dtype: region[a:a + n].copy_(b.view(d)))
+                continue
+            per, nbytes, fn = quants.TYPES[t.type_name]
+            data = t.data.view(-1, nbytes)
+            run = compression.GROUP_BYTES // nbytes   # blocks a buffer holds
+            piece = max(1, QUANT_PIECE // per)        # blocks one dequantization takes
+            for a in range(0, data.shape[0], run):
+                rows = data[a:a + run]
+
+                def decode(b, a=a, n=rows.shape[0]):
+                    b = b.view(n, nbytes)
+                    for p in range(0, n, piece):
+                        out = fn(b[p:p + piece]).reshape(-1)
+                        start = (a + p) * per
+                        region[start:start + out.numel()].copy_(out)
+                self._cross(rows.reshape(-1), decode)
         return self.stream

@@ -4,6 +4,7 @@ ComfyUI's key names, optionally behind ``model.diffusion_model.``), read with th
 (a quantized one its blocks, ``quants``) and its shape in torch's order, read when asked."""
 from __future__ import annotations
 
+import os
 import warnings
 from dataclasses import dataclass
 
@@ -11,6 +12,8 @@ import torch
 
 from . import quants
 from .errors import CheckpointError
+from .ram import advise_mapped
+from .safetensors_file import FileChanged
 
 ARCHITECTURES = ("lumina2",)    # what ComfyUI-GGUF's converter names a Z-Image (Lumina 2 family) file
 PREFIX = "model.diffusion_model."
@@ -85,3 +88,71 @@ def read_gguf(path) -> dict:
                                   "Download it again.")
         out[t.name[len(PREFIX):] if prefixed else t.name] = GGUFTensor(type_name, _shape(reader, t), data)
     return out
+
+
+class GGUFFile:
+    """A GGUF file as a ``Checkpoint`` reads its files (``SafetensorsFile``'s face): keys, shapes,
+    dtypes (float32 for a quantized tensor: what it dequantizes to) and reads. Its tensors are views
+    of the file's mapping: before each read the file is checked against the size and modification
+    time it had when it was opened (a file rewritten under a mapping would kill the process)."""
+
+    def __init__(self, path):
+        self.path = os.fspath(path)
+        if not os.path.isfile(self.path):
+            raise CheckpointError(path, "does not exist.", "Check the file name and the models folder.")
+        st = os.stat(self.path)
+        self._identity = (st.st_size, st.st_mtime_ns)
+        self.tensors = read_gguf(self.path)
+
+    def keys(self):
+        return list(self.tensors)
+
+    def shape(self, key) -> tuple:
+        return self.tensors[key].shape
+
+    def dtype(self, key) -> torch.dtype:
+        return PLAIN.get(self.tensors[key].type_name, torch.float32)
+
+    def quantized(self, key) -> bool:
+        return self.tensors[key].type_name not in PLAIN
+
+    def check_unchanged(self):
+        st = os.stat(self.path)
+        if (st.st_size, st.st_mtime_ns) != self._identity:
+            raise FileChanged(self.path, "changed on disk after it was loaded (its size or modification time "
+                                         "differ).", "Load the model again once the file is complete "
+                                                     "(e.g. after a download has finished).")
+
+    def read_into(self, key, out: torch.Tensor, first: int = 0):
+        """Tensor ``key``'s values (dequantized, cast to ``out``'s dtype) into ``out``, from element
+        ``first`` on, as many as ``out`` holds."""
+        self.check_unchanged()
+        values = self.tensors[key].values(out.dtype).reshape(-1)
+        out.view(-1).copy_(values[first:first + out.numel()])
+
+    def mapped(self, key):
+        return None  # the fixed part is read into tensors of its own (dequantized where quantized)
+
+    def stored(self, key) -> "StoredGGUF":
+        return StoredGGUF(self, key)
+
+    def close(self):
+        self.tensors = {}
+
+
+class StoredGGUF:
+    """One tensor of a GGUF file, read on demand (``StoredTensor``'s face)."""
+
+    def __init__(self, file: GGUFFile, key: str):
+        self.file, self.key = file, key
+        self.tensor = file.tensors[key]
+        self.shape, self.dtype = file.shape(key), file.dtype(key)
+
+    def read_into(self, out: torch.Tensor, first: int = 0):
+        self.file.read_into(self.key, out, first)
+
+    def advise(self):
+        advise_mapped(self.tensor.data)
+
+    def drop(self):
+        pass  # the mapping's pages go when the kernel needs them

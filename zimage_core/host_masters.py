@@ -19,8 +19,20 @@ import time
 import torch
 
 from . import compression
+from .gguf_file import GGUFTensor
 from .host_memory import HostPool
-from .layout import STAGING_BUFFERS, StreamConfig, staging_bytes, staging_chunk
+from .layout import ALIGN, STAGING_BUFFERS, StreamConfig, staging_bytes, staging_chunk
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // ALIGN) * ALIGN
+
+
+def dequantize_into(blocks: dict, layout, dst: torch.Tensor):
+    """A quantized layer's matrices ({name: GGUFTensor}, on ``dst``'s device) dequantized into the
+    packed layer ``dst`` (the CPU's path, and the device's once its bytes have crossed)."""
+    for name, t in blocks.items():
+        layout.region(dst, name).copy_(t.values(dst.dtype))
+
 
 # a master's encode reads the next staging buffer from the file on this thread while the device
 # encodes the last one (one thread: the reads themselves run on the file's reader threads)
@@ -38,6 +50,10 @@ class HostMasters:
         self.host = [None] * n               # packed host masters (pinned where possible)
         self.codes = [None] * n              # the chunks of the masters stored compressed
         self.runs = [None] * n               # their runs and tables on the device (``streamer``'s decode)
+        self.blocks = [None] * n             # a quantized master's matrices: {name: GGUFTensor} views of it
+        # a quantized stream's layers as stored (their blocks' bytes, each matrix aligned)
+        self.stored_bytes = [sum(_aligned(p.tensor.data.numel()) for parts in src.values() for _, p in parts)
+                             for src in sources] if config.quantized else None
         self.encode_seconds = 0.0            # spent encoding masters (what compression adds to a first image)
         self._staging = []                   # [host buffer, event of its last upload or None]
         self.chunk = staging_chunk(self.layout)  # elements per staging buffer
@@ -54,8 +70,21 @@ class HostMasters:
 
     @property
     def master_bytes(self) -> int:
-        """Host bytes of one master (a compressed one is sized for the most exceptions it may hold)."""
+        """Host bytes of one master (a compressed one is sized for the most exceptions it may hold,
+        a quantized one for the largest layer's blocks)."""
+        if self.stored_bytes:
+            return max(self.stored_bytes)
         return compression.bound(self.layout.numel) if self.compress else self.layout.nbytes
+
+    def plain(self, i) -> bool:
+        """Layer i has a plain packed master (the layer's values, as a slot holds them)."""
+        return self.host[i] is not None and self.codes[i] is None and self.blocks[i] is None
+
+    def layer_blocks(self, i) -> dict:
+        """A quantized layer's matrices as {name: GGUFTensor}: views of its master, else of the file."""
+        if self.blocks[i] is not None:
+            return self.blocks[i]
+        return {name: parts[0][1].tensor for name, parts in self.sources[i].items()}
 
     @property
     def pinned_layers(self) -> int:
@@ -73,6 +102,8 @@ class HostMasters:
         """Pack layer i into a master from the pool, if it has room: compressed where the stream
         compresses and the layer's weights allow it (then ``dst``, where given, holds the layer
         too: it was encoded from there), else (or with ``plain``) plain."""
+        if self.config.quantized and not plain:
+            return self._keep_blocks(i)
         if self.compress and not plain:
             buf, codes = self._encode(i, dst)
             if buf is None:
@@ -95,6 +126,24 @@ class HostMasters:
             raise
         self.host[i] = buf
         self.layout.drop(self.sources[i])
+        return True
+
+    def _keep_blocks(self, i) -> bool:
+        """Layer i's quantized blocks copied into a master from the pool, if it has room."""
+        buf = self.pool.allocate(self.stored_bytes[i], torch.uint8)
+        if buf is None:
+            return False
+        blocks, o = {}, 0
+        try:
+            for name, t in self.layer_blocks(i).items():
+                n = t.data.numel()
+                buf[o:o + n].copy_(t.data)
+                blocks[name] = GGUFTensor(t.type_name, t.shape, buf[o:o + n])
+                o += _aligned(n)
+        except BaseException:  # an interrupt: no half-filled master stays
+            self.pool.free(buf)
+            raise
+        self.host[i], self.blocks[i] = buf, blocks
         return True
 
     def _encode(self, i, dst=None) -> tuple:
@@ -156,13 +205,16 @@ class HostMasters:
         """A plain packed host master for layer i even past the budget (then pageable memory), for a
         weight written into it (``set_weight``): never a compressed one, whose bytes are codes. No
         upload may be reading layer i's master (the caller has waited for them)."""
-        if self.codes[i] is not None:
+        if self.codes[i] is not None or self.blocks[i] is not None:
             buf = self.pool.allocate(self.layout.numel, self.layout.dtype)
             if buf is None:
                 buf = torch.empty(self.layout.numel, dtype=self.layout.dtype)
-            compression.decode_all(self.codes[i], self.host[i], buf)
+            if self.codes[i] is not None:
+                compression.decode_all(self.codes[i], self.host[i], buf)
+            else:
+                dequantize_into(self.blocks[i], self.layout, buf)
             self.pool.free(self.host[i])
-            self.host[i], self.codes[i], self.runs[i] = buf, None, None
+            self.host[i], self.codes[i], self.runs[i], self.blocks[i] = buf, None, None, None
         if self.host[i] is None and not self.make_master(i, plain=True):
             buf = torch.empty(self.layout.numel, dtype=self.layout.dtype)
             self.layout.fill(buf, self.sources[i])
@@ -223,6 +275,6 @@ class HostMasters:
     def release(self):
         """Drop every master and staging buffer (pinned memory goes back to the OS)."""
         n = len(self.sources)
-        self.host, self.codes, self.runs = [None] * n, [None] * n, [None] * n
+        self.host, self.codes, self.runs, self.blocks = [None] * n, [None] * n, [None] * n, [None] * n
         self._staging, self._stage_next = [], 0
         self.pool.release_all()

@@ -143,6 +143,9 @@ class StreamConfig:
     pinned_sources: bool = False
     # bf16 masters may be stored compressed (``compression``) and decoded on the device
     compress: bool = False
+    # the sources are GGML blocks (a GGUF file's): masters keep them, and every upload dequantizes
+    # them where the layer lands (``quants``)
+    quantized: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "device", device_of(self.device))
@@ -153,4 +156,4 @@ class StreamConfig:
 
     @property
     def can_compress(self) -> bool:
-        return self.compress and self.masters and self.layout.dtype == torch.bfloat16
+        return self.compress and self.masters and not self.quantized and self.layout.dtype == torch.bfloat16

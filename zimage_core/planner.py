@@ -263,7 +263,7 @@ def stack_resident(n_layers: int, layer_bytes: int, free_bytes: int, cap: int | 
 def plan(cfg: ZImageConfig, free_bytes: int, width: int, height: int, batch: int = 1,
          limits: Limits = Limits(), storage=torch.bfloat16, dtype=torch.bfloat16,
          compute_copy_ratio: float | None = None, file_copy: float | None = None, compress: str = "off",
-         decode: float = 0.0, text_tokens: int = TEXT_TOKENS) -> Plan:
+         decode: float = 0.0, text_tokens: int = TEXT_TOKENS, stored: int | None = None) -> Plan:
     """The split for ``free_bytes`` of device memory under ``limits``. With ``file_copy`` (a layer's
     upload from the page cache through the staging ring, over one from a pinned master) only the
     streamed layers whose masters buy time are pinned: pinned memory is RAM that nothing else can
@@ -273,9 +273,13 @@ def plan(cfg: ZImageConfig, free_bytes: int, width: int, height: int, batch: int
     uploads of a layer, counted as compute beside each streamed layer: ``compute_copy_ratio`` is in
     the same unit). "on" compresses wherever the decode's two device buffers fit beside the rest;
     "auto" where that also makes the simulated step at least 2% shorter: where the copies hide
-    behind the compute anyway, the decode only adds to it (``Plan.compressed``)."""
+    behind the compute anyway, the decode only adds to it (``Plan.compressed``). ``stored``: a
+    layer's bytes as its file stores them, where its masters keep them so and uploads decode them
+    on the device (a GGUF's blocks); then nothing is compressed."""
     args = (cfg, free_bytes - limits.leave_free, width, height, batch, storage, dtype, compute_copy_ratio,
             limits.host_room, file_copy, text_tokens)
+    if stored is not None:
+        return _within(_plan(*args, stored=stored)[0], limits)
     return _within(_with_compression(args, compress, decode, storage), limits)
 
 
@@ -294,20 +298,21 @@ def _with_compression(args, compress, decode, storage) -> Plan:
 
 
 def _plan(cfg, free_bytes, width, height, batch, storage, dtype, compute_copy_ratio, host_room, file_copy,
-          text_tokens, compress=False, decode=0.0) -> tuple:
+          text_tokens, compress=False, decode=0.0, stored=None) -> tuple:
     """(``plan``'s split with or without compressed masters, its simulated step in plain uploads
     of a layer, or None where the compute/copy ratio is not known)."""
     packed = PackLayout(cfg, storage)
     layer = packed.nbytes
-    master = compression.bound(packed.numel) if compress else layer  # host bytes, before it is encoded
+    master = compression.bound(packed.numel) if compress else (stored or layer)  # host bytes, before an encode
     # a master's upload, in plain uploads: what it is expected to move. At a 7.5 GiB card's balance
     # of compute and bus the bound's 3% more chose 14 resident layers and 2 slots (107.1 ms a step)
     # over 13 and 3 (106.0 ms)
-    master_copy = (compression.expected(packed.numel) if compress else layer) / layer
+    master_copy = (compression.expected(packed.numel) if compress else (stored or layer)) / layer
+    codec = CODEC_BYTES if compress or stored else 0  # the decode's device buffers
     decode = decode if compress else 0.0
     fixed = cfg.fixed_params() * dtype.itemsize
     act = activation_bytes(cfg, width, height, batch, text_tokens, dtype=dtype, storage=storage)
-    room = free_bytes - fixed - act - device_margin(act, batch) - (CODEC_BYTES if compress else 0)
+    room = free_bytes - fixed - act - device_margin(act, batch) - codec
     n = cfg.n_blocks
     if compute_copy_ratio is not None:
         costs = [c * compute_copy_ratio for c in block_costs(cfg, width, height, batch, text_tokens)]
@@ -331,7 +336,7 @@ def _plan(cfg, free_bytes, width, height, batch, storage, dtype, compute_copy_ra
 
     def need(w, h):  # the least a size needs: everything streamed through one slot
         a = activation_bytes(cfg, w, h, batch, text_tokens, dtype=dtype, storage=storage)
-        return fixed + a + device_margin(a, batch) + (layer + (CODEC_BYTES if compress else 0) if n else 0)
+        return fixed + a + device_margin(a, batch) + (layer + codec if n else 0)
 
     if not fits:
         r, streamed = 0, n

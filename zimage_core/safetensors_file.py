@@ -158,6 +158,9 @@ class SafetensorsFile:
                                   "Supported storage: bf16, fp16, fp32, fp8 e4m3fn.")
         return DTYPES[name]
 
+    def quantized(self, key) -> bool:
+        return False  # safetensors stores plain values (a GGUF file stores blocks: ``GGUFFile``)
+
     def _pread_one(self, view, offset) -> int:
         done = 0
         while done < len(view):
@@ -235,6 +238,9 @@ def read_many(items):
     global _pool
     jobs, casts = [], []  # (file, view, offset, key); (tensor read, destination)
     for st, out, *first in items:
+        if not isinstance(st, StoredTensor):  # another format's tensor (a GGUF's): it reads itself
+            st.read_into(out, *first)
+            continue
         f, key = st.file, st.key
         dtype = f.dtype(key)
         if out.dtype != dtype or out.device.type != "cpu" or not out.is_contiguous():

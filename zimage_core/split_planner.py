@@ -40,7 +40,8 @@ class SplitPlanner:
             # max_resident_layers holds on the CPU too: the others stream from their host masters
             return planner.plan_host(self.cfg, free, width, height, batch, limits, dtype=self.dtype,
                                      chunk_rows=c.rows, chunk_queries=c.queries, compress=mode, text_tokens=text_tokens)
-        sizes = dict(storage=self.streamer.layout.dtype, dtype=self.dtype, text_tokens=text_tokens)
+        stored = self.streamer.masters.master_bytes if self.streamer.config.quantized else None
+        sizes = dict(storage=self.streamer.layout.dtype, dtype=self.dtype, text_tokens=text_tokens, stored=stored)
         if mode != "on":  # a card that holds every layer: nothing to measure, nothing to compress
             whole = planner.plan(self.cfg, free, width, height, batch, limits, **sizes)
             if whole.fits and not whole.streamed_layers:

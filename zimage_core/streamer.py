@@ -34,7 +34,7 @@ from torch.utils.hooks import RemovableHandle
 
 from . import compression
 from .device_decode import DeviceDecode
-from .host_masters import HostMasters
+from .host_masters import HostMasters, dequantize_into
 from .host_memory import HostPool
 from .layout import StreamConfig, residency_order
 from .uploads import UploadThread
@@ -54,7 +54,8 @@ class LayerStreamer:
         self._index = {i: j for j, i in enumerate(self.streamed)}  # layer -> its place in streamed
         self.slots = []
         self.copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
-        self.decode = DeviceDecode(self.device, self.copy_stream) if self.cuda and config.can_compress else None
+        self.decode = (DeviceDecode(self.device, self.copy_stream)
+                       if self.cuda and (config.can_compress or config.quantized) else None)
         self._ready, self._free = [], []
         # streamed layers are counted across forwards: position ``_base + j`` is the current
         # forward's j-th streamed layer and uses slot position % slots; uploads are queued up to
@@ -117,7 +118,7 @@ class LayerStreamer:
         """Layer i resident with its own values: on the CPU a plain host master is the layer (no
         second copy); else ``buf`` (default: a new device buffer), filled by a queued upload."""
         m = self.masters
-        if not self.cuda and m.host[i] is not None and m.codes[i] is None:
+        if not self.cuda and m.plain(i):
             self.resident[i] = m.host[i]
             return
         m.read_ahead(i)
@@ -186,6 +187,8 @@ class LayerStreamer:
                 return  # encoded from ``dst``, which holds the layer already
         if m.codes[i] is not None:
             return self._decode(i, dst)
+        if self.config.quantized and not m.plain(i):  # its blocks, from its master or the file
+            return self._dequantize(m.layer_blocks(i), dst)
         if m.host[i] is not None or self.config.pinned_sources or not (self.cuda or master):
             m.copy_into(i, dst)  # (on the CPU: a resident layer's buffer is its host copy)
         else:
@@ -199,6 +202,14 @@ class LayerStreamer:
             compression.decode_all(m.codes[i], m.host[i], dst)
             return
         return self.decode.upload(m.host[i], m.runs[i], dst)
+
+    def _dequantize(self, blocks, dst):
+        """A quantized layer's blocks into ``dst``: on a GPU through ``DeviceDecode`` (returns the
+        stream where the layer is done), on the CPU here."""
+        if not self.cuda:
+            dequantize_into(blocks, self.layout, dst)
+            return
+        return self.decode.dequantize(blocks, self.layout, dst)
 
     def _read_ahead_next(self, i):
         """While layer i gets its master (the first forward), the OS reads the next streamed layer

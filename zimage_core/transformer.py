@@ -109,7 +109,8 @@ class ZImageTransformer(torch.nn.Module):
             dev = torch.device(device)
             home = torch.device(initial_device) if initial_device is not None else dev
             pool = HostPool("transformer", pin=dev.type == "cuda", cap_bytes=settings.pinned_cap)
-            config = StreamConfig(PackLayout(cfg, storage), dev, compress=settings.compress != "off")
+            config = StreamConfig(PackLayout(cfg, storage), dev, compress=settings.compress != "off",
+                                  quantized=ckpt.streams_blocks)
             streamer = LayerStreamer(config, [layer_pieces(ckpt, f"{name}.") for name in cfg.block_names()], pool)
             with torch.device("meta"):
                 model = ZImageDiT(cfg, compute, runner=streamer, attention=attention)
