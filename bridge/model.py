@@ -167,7 +167,8 @@ def load_model(path, weight_dtype="default", settings: Settings = Settings()):
     load_device = mm.get_torch_device()
     offload_device = mm.unet_offload_device()
     ck = Checkpoint(path)  # header only: config, parameter count and storage dtype
-    cfg, file_dtype = ck.config, ck.storage_dtype
+    # a GGUF's blocks have no dtype of their own: the compute dtype is ComfyUI's pick for the device
+    cfg, file_dtype = ck.config, (None if ck.streams_blocks else ck.storage_dtype)
     ck.close()
     model_config = comfy.supported_models.ZImage(unet_config(cfg))
     supported = list(model_config.supported_inference_dtypes)

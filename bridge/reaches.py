@@ -78,6 +78,7 @@ def _optional(module_name, attr) -> str | None:
 
 def reaches() -> list:
     import comfy_execution.utils
+    import folder_paths
     import latent_preview
 
     import comfy.conds
@@ -195,6 +196,11 @@ def reaches() -> list:
               lambda: _attributes(comfy_execution.utils, "get_executing_context")
               or _attributes(comfy_execution.utils.ExecutionContext, "prompt_id", "node_id")
               or _file_mentions("execution.py", "def get_current_queue_volatile(self)")),
+        Reach("The diffusion models' folders and a walk of one: folder_paths.get_folder_paths(name), "
+              "recursive_search(directory, excluded_dir_names) returning (relative paths, folders)",
+              "ui.py: _gguf_files",
+              lambda: _params(folder_paths.get_folder_paths, "folder_name")
+              or _params(folder_paths.recursive_search, "directory", "excluded_dir_names")),
     ]
 
 

@@ -1,5 +1,6 @@
-"""What the user meets of ComfyUI: the model files it lists, and a node's one-line status (in the
-console, and on the node in the browser)."""
+"""What the user meets of ComfyUI: the model files it lists (GGUF files beside them: ComfyUI lists
+only its own extensions there), and a node's one-line status (in the console, and on the node in the
+browser)."""
 from __future__ import annotations
 
 import logging
@@ -11,12 +12,30 @@ log = logging.getLogger("zimage")
 FOLDER = "diffusion_models"  # where Z-Image transformers go (ComfyUI's alias "unet" lists the same)
 
 
+GGUF = ".gguf"
+
+
+def _gguf_files() -> dict:
+    """{name: path} of the .gguf files in the diffusion models' folders (the first folder's wins)."""
+    found = {}
+    for folder in folder_paths.get_folder_paths(FOLDER):
+        for name in folder_paths.recursive_search(folder, excluded_dir_names=[".git"])[0]:
+            if name.lower().endswith(GGUF):
+                found.setdefault(name, os.path.join(folder, name))
+    return found
+
+
 def model_files() -> list:
-    return folder_paths.get_filename_list(FOLDER)
+    return sorted({*folder_paths.get_filename_list(FOLDER), *_gguf_files()})
 
 
 def model_path(name: str) -> str:
     """The file's path; ComfyUI's own error (naming the file and the folder) where it is not there."""
+    if name.lower().endswith(GGUF):
+        path = _gguf_files().get(name)
+        if path is None:
+            raise FileNotFoundError(f"Model in folder '{FOLDER}' with filename '{name}' not found.")
+        return path
     return folder_paths.get_full_path_or_raise(FOLDER, name)
 
 

@@ -1,56 +1,43 @@
-"""GGUF transformer files as ComfyUI-GGUF's converter writes them: every tensor read back as the
-gguf package dequantizes it, and each bad file refused in one line naming what is wrong."""
+"""GGUF transformer files as ComfyUI-GGUF's converter writes them (``tools.gguf_weights``): every
+tensor read back as the gguf package dequantizes it, the transformer computing what its dequantized
+weights compute with its layers streamed as their blocks, and each bad file refused in one line
+naming what is wrong."""
 import os
 
 import numpy as np
 import pytest
 import torch
 
-from conftest import TINY
+from conftest import TINY, inputs
+from tools.gguf_weights import write_gguf
 from tools.random_weights import write_checkpoint
-from zimage_core.checkpoint import Checkpoint
-from zimage_core.config import BIG_KEYS
+from zimage_core.checkpoint import COMFY_PREFIX, Checkpoint
 from zimage_core.errors import CheckpointError
-from zimage_core.gguf_file import PREFIX, read_gguf
+from zimage_core.gguf_file import read_gguf
+from zimage_core.transformer import ZImageTransformer
 
 gguf = pytest.importorskip("gguf", reason="the gguf package (pip install gguf) writes the test files")
-BIG = tuple(f"{k}.weight" for k in BIG_KEYS.values())
 
 
-def write_gguf(path, weights, quant="Q8_0", arch="lumina2", prefix="", raw_type=None):
-    """The checkpoint ``weights`` as a GGUF: its big matrices in ``quant`` (or stored with ``raw_type``'s
-    type code over Q8_0 bytes), the rest F32. Returns {key: the values the gguf package reads back}."""
-    ck = Checkpoint(weights)
-    w = gguf.GGUFWriter(str(path), arch)
-    want = {}
-    for key in ck.keys():
-        t = ck.tensor(key, dtype=torch.float32).numpy()
-        if key.endswith(BIG):
-            qtype = getattr(gguf.GGMLQuantizationType, quant)
-            data = gguf.quants.quantize(t, qtype)
-            want[key] = gguf.quants.dequantize(data, qtype)
-            w.add_tensor(PREFIX * bool(prefix) + key, data, raw_dtype=raw_type or qtype)
-        else:
-            want[key] = t
-            w.add_tensor(PREFIX * bool(prefix) + key, t)
-    ck.close()
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return want
+def reference(path) -> dict:
+    """{key: float32 values} of a GGUF file as the gguf package reads and dequantizes it."""
+    out = {}
+    for t in gguf.GGUFReader(str(path)).tensors:
+        values = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
+        out[t.name.removeprefix(COMFY_PREFIX)] = values.reshape(tuple(int(v) for v in reversed(t.shape)))
+    return out
 
 
 @pytest.fixture(scope="module")
-def tiny_bf16(tmp_path_factory):
+def tiny(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("gguf") / "tiny.safetensors")
-    write_checkpoint(path, TINY, dtype=torch.float32, seed=2)
+    write_checkpoint(path, TINY, dtype=torch.bfloat16, seed=2)
     return path
 
 
 @pytest.mark.parametrize("quant, prefix", [("Q8_0", False), ("Q4_0", True), ("Q4_1", False), ("Q5_0", False)])
-def test_every_tensor_reads_back_as_the_gguf_package_reads_it(tmp_path, tiny_bf16, quant, prefix):
-    want = write_gguf(tmp_path / "tiny.gguf", tiny_bf16, quant, prefix=prefix)
+def test_every_tensor_reads_back_as_the_gguf_package_reads_it(tmp_path, tiny, quant, prefix):
+    want = reference(write_gguf(tiny, tmp_path / "tiny.gguf", quant, prefix))
     got = read_gguf(str(tmp_path / "tiny.gguf"))
     assert set(got) == set(want)
     quantized = [k for k, t in got.items() if t.type_name == quant]
@@ -63,43 +50,17 @@ def test_every_tensor_reads_back_as_the_gguf_package_reads_it(tmp_path, tiny_bf1
     assert got[k].data.numel() < got[k].values().numel() * 2
 
 
-def test_a_gguf_of_another_architecture_is_refused(tmp_path, tiny_bf16):
-    write_gguf(tmp_path / "flux.gguf", tiny_bf16, arch="flux")
-    with pytest.raises(CheckpointError, match=r"flux.gguf: is a GGUF of architecture 'flux', not a Z-Image"):
-        read_gguf(str(tmp_path / "flux.gguf"))
-
-
-def test_a_type_the_pack_cannot_dequantize_is_named(tmp_path, tiny_bf16):
-    # IQ4_NL blocks are as long as Q4_0's (18 bytes for 32 weights): a file that stores them
-    write_gguf(tmp_path / "iq.gguf", tiny_bf16, quant="Q4_0", raw_type=gguf.GGMLQuantizationType.IQ4_NL)
-    with pytest.raises(CheckpointError) as e:
-        read_gguf(str(tmp_path / "iq.gguf"))
-    msg = str(e.value)
-    assert "as IQ4_NL, which this pack cannot dequantize" in msg and "Q8_0" in msg and "\n" not in msg
-
-
-def test_a_truncated_gguf_is_refused(tmp_path, tiny_bf16):
-    path = tmp_path / "cut.gguf"
-    write_gguf(path, tiny_bf16)
-    os.truncate(path, os.path.getsize(path) * 2 // 3)
-    with pytest.raises(CheckpointError, match=r"cut.gguf: .*(truncated|damaged)"):
-        read_gguf(str(path))
-    os.truncate(path, 100)  # inside the header
-    with pytest.raises(CheckpointError, match=r"cut.gguf: .*(truncated|damaged)"):
-        read_gguf(str(path))
-
-
-def test_a_gguf_loads_and_computes_what_its_dequantized_weights_compute(tmp_path, tiny_bf16):
+def test_a_gguf_loads_and_computes_what_its_dequantized_weights_compute(tmp_path, tiny):
     """The transformer loaded from a GGUF (Q8_0 layers) gives, at every split, the output of the same
-    transformer loaded from a safetensors file of the weights the gguf package dequantizes."""
+    transformer loaded from a safetensors file of the weights the gguf package dequantizes; its
+    streamed layers' masters keep their blocks."""
     from safetensors.torch import save_file
-    from conftest import inputs
-    from zimage_core.transformer import ZImageTransformer
 
-    want = write_gguf(tmp_path / "tiny.gguf", tiny_bf16, "Q8_0")
-    save_file({k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in want.items()}, str(tmp_path / "ref.safetensors"))
+    want = reference(write_gguf(tiny, tmp_path / "tiny.gguf", "Q8_0"))
+    save_file({k: torch.from_numpy(v) for k, v in want.items()}, str(tmp_path / "ref.safetensors"))
     ck = Checkpoint(str(tmp_path / "tiny.gguf"))
-    assert ck.config == TINY and ck.quantized("layers.0.attention.qkv.weight") and not ck.quantized("x_pad_token")
+    assert ck.config == TINY and ck.streams_blocks and ck.quantized("layers.0.attention.qkv.weight")
+    assert not ck.quantized("x_pad_token")
     ck.close()
     x, t, ctx = inputs(TINY)
     ref = ZImageTransformer.load(str(tmp_path / "ref.safetensors"), device="cpu", dtype="fp32")
@@ -122,3 +83,40 @@ def test_a_gguf_loads_and_computes_what_its_dequantized_weights_compute(tmp_path
     m.weights.set(key, m.weights.base(key))
     assert torch.equal(m(x, t, ctx), expected)
     m.release()
+
+
+def _write(path, arch, tensors):
+    """A GGUF of ``tensors`` {name: (bytes or values, raw type or None)}."""
+    w = gguf.GGUFWriter(str(path), arch)
+    for name, (data, raw_type) in tensors.items():
+        w.add_tensor(name, data, raw_dtype=raw_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_a_gguf_of_another_architecture_is_refused(tmp_path):
+    _write(tmp_path / "flux.gguf", "flux", {"double_blocks.0.img_attn.qkv.weight": (np.zeros((4, 32), np.float32), None)})
+    with pytest.raises(CheckpointError, match=r"flux.gguf: is a GGUF of architecture 'flux', not a Z-Image"):
+        read_gguf(str(tmp_path / "flux.gguf"))
+
+
+def test_a_type_the_pack_cannot_dequantize_is_named(tmp_path):
+    # IQ4_NL blocks are as long as Q4_0's (18 bytes for 32 weights): a file that stores one
+    blocks = gguf.quants.quantize(np.ones((4, 32), np.float32), gguf.GGMLQuantizationType.Q4_0)
+    _write(tmp_path / "iq.gguf", "lumina2", {"layers.0.attention.qkv.weight": (blocks, gguf.GGMLQuantizationType.IQ4_NL)})
+    with pytest.raises(CheckpointError) as e:
+        read_gguf(str(tmp_path / "iq.gguf"))
+    msg = str(e.value)
+    assert "as IQ4_NL, which this pack cannot dequantize" in msg and "Q8_0" in msg and "\n" not in msg
+
+
+def test_a_truncated_gguf_is_refused(tmp_path, tiny):
+    path = write_gguf(tiny, tmp_path / "cut.gguf")
+    os.truncate(path, os.path.getsize(path) * 2 // 3)
+    with pytest.raises(CheckpointError, match=r"cut.gguf: .*(truncated|damaged)"):
+        read_gguf(str(path))
+    os.truncate(path, 100)  # inside the header
+    with pytest.raises(CheckpointError, match=r"cut.gguf: .*(truncated|damaged)"):
+        read_gguf(str(path))

@@ -4,6 +4,7 @@ the repository's root."""
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import sys
@@ -16,6 +17,7 @@ from zimage_core.config import ZImageConfig
 from zimage_core.settings import STORAGE_DTYPES
 
 from . import bench, ratio
+from .gguf_weights import write_gguf
 from .random_weights import write_checkpoint
 
 
@@ -117,9 +119,21 @@ def _print_bench(r):
         print(f"  resident sha256     {r['resident_output_sha256']} ({same})")
 
 
+def gguf_out(text):
+    if not text.endswith(".gguf"):
+        raise argparse.ArgumentTypeError(f"{text}: name it .gguf")
+    return text
+
+
+def _gguf(a):
+    if importlib.util.find_spec("gguf") is None:
+        sys.exit("error: writing a GGUF needs the gguf package: python3 -m pip install gguf")
+    print(f"wrote {write_gguf(a.src, a.out, a.quant, a.prefix)} (its layers' matrices {a.quant})")
+
+
 def main(argv=None):
     ap = _Parser(prog="python -m tools")
-    sub = ap.add_subparsers(dest="cmd", required=True, metavar="random-weights|bench|ratio")
+    sub = ap.add_subparsers(dest="cmd", required=True, metavar="random-weights|gguf-weights|bench|ratio")
     r = sub.add_parser("random-weights", help="write a full-size random checkpoint (ComfyUI layout)")
     r.add_argument("out", type=checkpoint_out,
                    help="the .safetensors file to write (its folder is created if missing)")
@@ -130,6 +144,13 @@ def main(argv=None):
     r.add_argument("--plain", action="store_true",
                    help="N(0, 0.02) for every matrix, as earlier versions drew (default: realistic scales)")
     r.set_defaults(fn=_random)
+    q = sub.add_parser("gguf-weights", help="a transformer file written as a GGUF, its layers quantized")
+    q.add_argument("src", type=weights_file, help="a Z-Image transformer (.safetensors, or a folder as the loader takes)")
+    q.add_argument("out", type=gguf_out, help="the .gguf file to write")
+    q.add_argument("--quant", default="Q8_0", choices=["Q8_0", "Q4_0", "Q4_1", "Q5_0"],
+                   help="the GGML type of the layers' matrices (default Q8_0; the gguf package quantizes no K-quants)")
+    q.add_argument("--prefix", action="store_true", help="keys behind model.diffusion_model., as ComfyUI saves them")
+    q.set_defaults(fn=_gguf)
     c = sub.add_parser("ratio", help="compressed bytes of each streamed layer over its bf16 bytes")
     c.add_argument("--weights", type=weights_file, required=True, help="a Z-Image transformer .safetensors file")
     c.add_argument("--layers", type=count(1, 64), help="only the first N layers (the encode is slow on a CPU)")

@@ -1,0 +1,46 @@
+"""A Z-Image transformer file written as a GGUF in ComfyUI-GGUF's layout (architecture lumina2,
+ComfyUI's key names), its layers' five big matrices quantized with the gguf package, every other
+tensor as stored (bf16, fp16 or fp32): the files the GGUF tests and benchmarks load.
+
+    python3 -m tools gguf-weights SRC.safetensors OUT.gguf [--quant Q8_0] [--prefix]
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from zimage_core.checkpoint import COMFY_PREFIX, Checkpoint
+from zimage_core.config import BIG_KEYS
+
+BIG = tuple(f"{key}.weight" for key in BIG_KEYS.values())
+PLAIN = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
+
+
+def write_gguf(src, out, quant: str = "Q8_0", prefix: bool = False):
+    """``src`` (any layout the loader reads) as the GGUF ``out``; ``prefix``: keys behind
+    ``model.diffusion_model.``, as files saved from inside ComfyUI have them."""
+    import gguf
+
+    qtype = getattr(gguf.GGMLQuantizationType, quant)
+    ck = Checkpoint(src)
+    writer = gguf.GGUFWriter(str(out), "lumina2")
+    try:
+        for key in ck.keys():
+            name = COMFY_PREFIX * prefix + key
+            if key.endswith(BIG):
+                values = ck.tensor(key, dtype=torch.float32).numpy()
+                writer.add_tensor(name, gguf.quants.quantize(values, qtype), raw_dtype=qtype)
+            else:
+                t = ck.tensor(key)
+                if t.dtype not in PLAIN:
+                    t = t.float()
+                raw = t.view(torch.int16).numpy() if t.dtype == torch.bfloat16 else t.numpy()
+                writer.add_tensor(name, np.ascontiguousarray(raw), raw_shape=list(t.shape),
+                                  raw_dtype=getattr(gguf.GGMLQuantizationType, PLAIN[t.dtype]))
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+    finally:
+        writer.close()
+        ck.close()
+    return out
