@@ -107,6 +107,20 @@ def transformer_weights(full=False):
     return path
 
 
+def gguf_weights(quant="Q8_0"):
+    """``transformer_weights()`` written as a GGUF (``tools.gguf_weights``), cached beside it."""
+    src = transformer_weights()
+    path = os.path.join(os.path.dirname(src), f"z_image_turbo-{quant}-{_digest(os.path.join(ROOT, 'tools/gguf_weights.py'))}.gguf")
+    with _locked(os.path.dirname(src)):
+        if not os.path.isfile(path):
+            from tools.gguf_weights import write_gguf
+
+            tmp = path + f".tmp-{os.getpid()}.gguf"
+            write_gguf(src, tmp, quant)
+            os.replace(tmp, path)
+    return path
+
+
 def te_vae_weights(python=None, comfy_path=None, te_layers=TE_LAYERS):
     """Qwen3-4B (its first `te_layers` layers) and the Flux AE from ComfyUI's own classes, cached per
     ComfyUI version. The random numbers are drawn on the GPU where there is one (the full text
