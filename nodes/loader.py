@@ -22,13 +22,14 @@ class ZImageModelLoader(io.ComfyNode):
             display_name="Z-Image Model Loader (streaming)",
             category="Z-Image",
             description="Loads a Z-Image-Turbo diffusion model (ComfyUI, official or diffusers layout; bf16, "
-                        "fp16, fp32 or fp8). As many layers as fit stay on the GPU, spread through the stack; "
+                        "fp16, fp32, fp8, or a GGUF). As many layers as fit stay on the GPU, spread through the stack; "
                         "the others stream from pinned host memory, and other models get GPU memory by "
                         "evicting layers.",
             inputs=[
                 io.Combo.Input("unet_name", options=ui.model_files(),
                                tooltip="The Z-Image-Turbo transformer in models/diffusion_models, e.g. "
-                                       "z_image_turbo_bf16.safetensors (or the fp8 export for less RAM)."),
+                                       "z_image_turbo_bf16.safetensors (or the fp8 export or a GGUF for less "
+                                       "RAM)."),
                 io.Combo.Input("weight_dtype", options=["default", *STORAGE_DTYPES],
                                default="default",
                                tooltip="How the layers are kept and streamed. default: as stored (fp8 stays fp8, "
