@@ -14,6 +14,7 @@ from tools.random_weights import write_checkpoint
 from zimage_core.checkpoint import COMFY_PREFIX, Checkpoint
 from zimage_core.errors import CheckpointError
 from zimage_core.gguf_file import read_gguf
+from zimage_core.settings import Settings
 from zimage_core.transformer import ZImageTransformer
 
 gguf = pytest.importorskip("gguf", reason="the gguf package (pip install gguf) writes the test files")
@@ -120,3 +121,18 @@ def test_a_truncated_gguf_is_refused(tmp_path, tiny):
     os.truncate(path, 100)  # inside the header
     with pytest.raises(CheckpointError, match=r"cut.gguf: .*(truncated|damaged)"):
         read_gguf(str(path))
+
+
+def test_a_gguf_changed_under_a_loaded_model_is_refused(tmp_path, tiny):
+    """Its layers are read from the file's mapping: a file rewritten since it was loaded (a new
+    download over it) stops the next upload with a clear error instead of reading it."""
+    from zimage_core.safetensors_file import FileChanged
+
+    path = write_gguf(tiny, tmp_path / "live.gguf")
+    # no room for masters: every upload reads the file
+    m = ZImageTransformer.load(str(path), device="cpu", dtype="fp32", settings=Settings(pinned_cap=0))
+    m.prepare(64, 48, resident_layers=0)
+    os.utime(path, ns=(0, 0))
+    with pytest.raises(FileChanged, match="live.gguf: changed on disk"):
+        m(*inputs(TINY))
+    m.release()

@@ -84,7 +84,10 @@ class HostMasters:
         """A quantized layer's matrices as {name: GGUFTensor}: views of its master, else of the file."""
         if self.blocks[i] is not None:
             return self.blocks[i]
-        return {name: parts[0][1].tensor for name, parts in self.sources[i].items()}
+        pieces = {name: parts[0][1] for name, parts in self.sources[i].items()}
+        for file in {id(p.file): p.file for p in pieces.values()}.values():
+            file.check_unchanged()  # a mapping of a file truncated since would kill the process
+        return {name: p.tensor for name, p in pieces.items()}
 
     @property
     def pinned_layers(self) -> int:
