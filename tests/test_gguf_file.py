@@ -10,7 +10,6 @@ import torch
 
 from conftest import TINY, inputs
 from tools.gguf_weights import write_gguf
-from tools.random_weights import write_checkpoint
 from zimage_core.checkpoint import COMFY_PREFIX, Checkpoint
 from zimage_core.errors import CheckpointError
 from zimage_core.gguf_file import read_gguf
@@ -29,16 +28,9 @@ def reference(path) -> dict:
     return out
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("gguf") / "tiny.safetensors")
-    write_checkpoint(path, TINY, dtype=torch.bfloat16, seed=2)
-    return path
-
-
 @pytest.mark.parametrize("quant, prefix", [("Q8_0", False), ("Q4_0", True), ("Q4_1", False), ("Q5_0", False)])
-def test_every_tensor_reads_back_as_the_gguf_package_reads_it(tmp_path, tiny, quant, prefix):
-    want = reference(write_gguf(tiny, tmp_path / "tiny.gguf", quant, prefix))
+def test_every_tensor_reads_back_as_the_gguf_package_reads_it(tmp_path, tiny_file, quant, prefix):
+    want = reference(write_gguf(tiny_file, tmp_path / "tiny.gguf", quant, prefix))
     got = read_gguf(str(tmp_path / "tiny.gguf"))
     assert set(got) == set(want)
     quantized = [k for k, t in got.items() if t.type_name == quant]
@@ -51,13 +43,13 @@ def test_every_tensor_reads_back_as_the_gguf_package_reads_it(tmp_path, tiny, qu
     assert got[k].data.numel() < got[k].values().numel() * 2
 
 
-def test_a_gguf_loads_and_computes_what_its_dequantized_weights_compute(tmp_path, tiny):
+def test_a_gguf_loads_and_computes_what_its_dequantized_weights_compute(tmp_path, tiny_file):
     """The transformer loaded from a GGUF (Q8_0 layers) gives, at every split, the output of the same
     transformer loaded from a safetensors file of the weights the gguf package dequantizes; its
     streamed layers' masters keep their blocks."""
     from safetensors.torch import save_file
 
-    want = reference(write_gguf(tiny, tmp_path / "tiny.gguf", "Q8_0"))
+    want = reference(write_gguf(tiny_file, tmp_path / "tiny.gguf", "Q8_0"))
     save_file({k: torch.from_numpy(v) for k, v in want.items()}, str(tmp_path / "ref.safetensors"))
     ck = Checkpoint(str(tmp_path / "tiny.gguf"))
     assert ck.config == TINY and ck.streams_blocks and ck.quantized("layers.0.attention.qkv.weight")
@@ -113,8 +105,8 @@ def test_a_type_the_pack_cannot_dequantize_is_named(tmp_path):
     assert "as IQ4_NL, which this pack cannot dequantize" in msg and "Q8_0" in msg and "\n" not in msg
 
 
-def test_a_truncated_gguf_is_refused(tmp_path, tiny):
-    path = write_gguf(tiny, tmp_path / "cut.gguf")
+def test_a_truncated_gguf_is_refused(tmp_path, tiny_file):
+    path = write_gguf(tiny_file, tmp_path / "cut.gguf")
     os.truncate(path, os.path.getsize(path) * 2 // 3)
     with pytest.raises(CheckpointError, match=r"cut.gguf: .*(truncated|damaged)"):
         read_gguf(str(path))
@@ -123,12 +115,12 @@ def test_a_truncated_gguf_is_refused(tmp_path, tiny):
         read_gguf(str(path))
 
 
-def test_a_gguf_changed_under_a_loaded_model_is_refused(tmp_path, tiny):
+def test_a_gguf_changed_under_a_loaded_model_is_refused(tmp_path, tiny_file):
     """Its layers are read from the file's mapping: a file rewritten since it was loaded (a new
     download over it) stops the next upload with a clear error instead of reading it."""
     from zimage_core.safetensors_file import FileChanged
 
-    path = write_gguf(tiny, tmp_path / "live.gguf")
+    path = write_gguf(tiny_file, tmp_path / "live.gguf")
     # no room for masters: every upload reads the file
     m = ZImageTransformer.load(str(path), device="cpu", dtype="fp32", settings=Settings(pinned_cap=0))
     m.prepare(64, 48, resident_layers=0)
