@@ -16,8 +16,8 @@ import contextlib
 
 import torch
 
-from .host_memory import HostPool, maps_file
 from .devices import device_of
+from .host_memory import HostPool, maps_file
 
 
 def copy_source(t):

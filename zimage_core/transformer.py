@@ -25,11 +25,11 @@ from .dit import ZImageDiT, cpu_chunks, sdpa_attention
 from .errors import CheckpointError, NonFiniteWeights, OutOfDeviceMemory, ZImageError
 from .host_memory import HostPool, locks_files
 from .image_size import ImageSize
-from .ram import available_ram
 from .layout import PackLayout, StreamConfig
+from .ram import available_ram
 from .settings import COMPUTE_DTYPES, STORAGE_DTYPES, Settings
-from .status import SplitStatus
 from .split_planner import SplitPlanner
+from .status import SplitStatus
 from .streamer import LayerStreamer
 from .weight_checks import FiniteChecks
 from .weights import Weights
