@@ -43,13 +43,14 @@ def test_every_tensor_reads_back_as_the_gguf_package_reads_it(tmp_path, tiny_fil
     assert got[k].data.numel() < got[k].values().numel() * 2
 
 
-def test_a_gguf_loads_and_computes_what_its_dequantized_weights_compute(tmp_path, tiny_file):
-    """The transformer loaded from a GGUF (Q8_0 layers) gives, at every split, the output of the same
-    transformer loaded from a safetensors file of the weights the gguf package dequantizes; its
-    streamed layers' masters keep their blocks."""
+@pytest.mark.parametrize("quant", ["Q8_0", "Q4_K", "Q5_K", "Q6_K"])
+def test_a_gguf_loads_and_computes_what_its_dequantized_weights_compute(tmp_path, tiny_file, quant):
+    """The transformer loaded from a GGUF gives, at every split, the output of the same transformer
+    loaded from a safetensors file of the weights the gguf package dequantizes; its streamed layers'
+    masters keep their blocks (K-quants: the writer's random valid blocks)."""
     from safetensors.torch import save_file
 
-    want = reference(write_gguf(tiny_file, tmp_path / "tiny.gguf", "Q8_0"))
+    want = reference(write_gguf(tiny_file, tmp_path / "tiny.gguf", quant))
     save_file({k: torch.from_numpy(v) for k, v in want.items()}, str(tmp_path / "ref.safetensors"))
     ck = Checkpoint(str(tmp_path / "tiny.gguf"))
     assert ck.config == TINY and ck.streams_blocks and ck.quantized("layers.0.attention.qkv.weight")
@@ -65,7 +66,8 @@ def test_a_gguf_loads_and_computes_what_its_dequantized_weights_compute(tmp_path
     for resident in (TINY.n_blocks, 2, 0):
         m.prepare(64, 48, resident_layers=resident)
         assert torch.equal(m(x, t, ctx), expected), resident
-    # the streamed layers' masters hold their Q8_0 blocks (34 bytes for 32 weights), not their values
+    # the streamed layers' masters hold their blocks (34 bytes for 32 Q8_0 weights, 210 for 256 Q6_K
+    # ones), not their fp32 values
     masters = [i for i in range(TINY.n_blocks) if s.masters.blocks[i] is not None]
     assert masters and all(s.masters.host[i].dtype == torch.uint8 for i in masters)
     assert s.masters.master_bytes < 0.3 * s.layout.nbytes

@@ -147,8 +147,9 @@ def main(argv=None):
     q = sub.add_parser("gguf-weights", help="a transformer file written as a GGUF, its layers quantized")
     q.add_argument("src", type=weights_file, help="a Z-Image transformer (.safetensors, or a folder as the loader takes)")
     q.add_argument("out", type=gguf_out, help="the .gguf file to write")
-    q.add_argument("--quant", default="Q8_0", choices=["Q8_0", "Q4_0", "Q4_1", "Q5_0"],
-                   help="the GGML type of the layers' matrices (default Q8_0; the gguf package quantizes no K-quants)")
+    q.add_argument("--quant", default="Q8_0", choices=["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q4_K", "Q5_K", "Q6_K"],
+                   help="the GGML type of the layers' matrices (default Q8_0; K-quants as random valid blocks: "
+                        "the gguf package quantizes none)")
     q.add_argument("--prefix", action="store_true", help="keys behind model.diffusion_model., as ComfyUI saves them")
     q.set_defaults(fn=_gguf)
     c = sub.add_parser("ratio", help="compressed bytes of each streamed layer over its bf16 bytes")

@@ -1,6 +1,8 @@
 """A Z-Image transformer file written as a GGUF in ComfyUI-GGUF's layout (architecture lumina2,
 ComfyUI's key names), its layers' five big matrices quantized with the gguf package, every other
-tensor as stored (bf16, fp16 or fp32): the files the GGUF tests and benchmarks load.
+tensor as stored (bf16, fp16 or fp32): the files the GGUF tests and benchmarks load. The gguf
+package quantizes no K-quants: Q4_K, Q5_K and Q6_K matrices are random valid blocks instead, their
+scales set from the matrix's spread (values do not change speed; the images are noise).
 
     python3 -m tools gguf-weights SRC.safetensors OUT.gguf [--quant Q8_0] [--prefix]
 """
@@ -14,6 +16,23 @@ from zimage_core.config import BIG_KEYS
 
 BIG = tuple(f"{key}.weight" for key in BIG_KEYS.values())
 PLAIN = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
+# a K-quant block's float16 scales: byte offsets, and how many steps of its codes a weight's spread spans
+K_SCALES = {"Q4_K": ([0, 2], 32 * 8), "Q5_K": ([0, 2], 32 * 16), "Q6_K": ([208], 32 * 32)}
+
+
+def random_k_blocks(values: np.ndarray, quant: str, seed: int) -> np.ndarray:
+    """Random valid ``quant`` blocks ([rows, bytes]) for a matrix shaped like ``values``."""
+    from zimage_core import quants
+
+    per, nbytes, _ = quants.TYPES[quant]
+    rows = values.shape[0]
+    g = np.random.default_rng(seed)
+    blocks = g.integers(0, 256, size=(rows * values.shape[1] // per, nbytes), dtype=np.uint8)
+    offsets, steps = K_SCALES[quant]
+    scale = np.float16(max(float(values.std()), 1e-4) / steps)
+    for at in offsets:
+        blocks[:, at:at + 2] = np.frombuffer(scale.tobytes(), np.uint8)
+    return blocks.reshape(rows, -1)
 
 
 def write_gguf(src, out, quant: str = "Q8_0", prefix: bool = False):
@@ -29,7 +48,9 @@ def write_gguf(src, out, quant: str = "Q8_0", prefix: bool = False):
             name = COMFY_PREFIX * prefix + key
             if key.endswith(BIG):
                 values = ck.tensor(key, dtype=torch.float32).numpy()
-                writer.add_tensor(name, gguf.quants.quantize(values, qtype), raw_dtype=qtype)
+                blocks = (random_k_blocks(values, quant, seed=len(name)) if quant in K_SCALES
+                          else gguf.quants.quantize(values, qtype))
+                writer.add_tensor(name, blocks, raw_dtype=qtype)
             else:
                 t = ck.tensor(key)
                 if t.dtype not in PLAIN:
