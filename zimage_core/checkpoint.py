@@ -138,10 +138,6 @@ class Checkpoint:
         _, f, k = self._index[key][0]
         return f.dtype(k)
 
-    def quantized(self, key) -> bool:
-        """Canonical ``key`` is stored in blocks of a GGML quantization (a GGUF file's ``quants``)."""
-        return any(f.quantized(k) for _, f, k in self._index[key])
-
     @property
     def streams_blocks(self) -> bool:
         """A GGUF whose layers' matrices are each one stored tensor: its layers can stream as stored

@@ -113,9 +113,6 @@ class GGUFFile:
     def dtype(self, key) -> torch.dtype:
         return PLAIN.get(self.tensors[key].type_name, torch.float32)
 
-    def quantized(self, key) -> bool:
-        return self.tensors[key].type_name not in PLAIN
-
     def check_unchanged(self):
         st = os.stat(self.path)
         if (st.st_size, st.st_mtime_ns) != self._identity:

@@ -158,9 +158,6 @@ class SafetensorsFile:
                                   "Supported storage: bf16, fp16, fp32, fp8 e4m3fn.")
         return DTYPES[name]
 
-    def quantized(self, key) -> bool:
-        return False  # safetensors stores plain values (a GGUF file stores blocks: ``GGUFFile``)
-
     def _pread_one(self, view, offset) -> int:
         done = 0
         while done < len(view):
