@@ -6,7 +6,7 @@ the GPU test runs it on several simulated cards, the CPU test at several forced 
 import hashlib
 import io
 
-from safetensors.torch import save_file
+from tools import random_weights
 
 from test_comfy_server import lora_workflow, node_of, pack_workflow
 
@@ -18,17 +18,9 @@ NEGATIVE = "blurry, low quality, watermark"
 LORA = "identity_lora.safetensors"
 
 
-def write_lora(path, layers, dim=3840, rank=16):
-    """A rank-``rank`` LoRA on every main layer's attention output, in ComfyUI's layout."""
-    import torch
-    g = torch.Generator().manual_seed(3)
-    sd = {}
-    for i in range(layers):
-        name = f"lora_unet_layers_{i}_attention_out"
-        sd[f"{name}.lora_up.weight"] = torch.randn(dim, rank, generator=g) * 0.02
-        sd[f"{name}.lora_down.weight"] = torch.randn(rank, dim, generator=g) * 0.02
-        sd[f"{name}.alpha"] = torch.tensor(float(rank))
-    save_file(sd, path)
+def write_lora(path, layers):
+    """A rank-16 LoRA on every main layer's attention output, in ComfyUI's layout."""
+    random_weights.write_lora(path, layers, matrices=("out",))
 
 
 def ksampler_workflow(prompt, width, height, steps, loader, prefix):

@@ -206,3 +206,48 @@ def test_the_device_decode_gives_back_every_bit(monkeypatch):
     compression.decode_all(chunks, packed.cpu(), ref)
     assert torch.equal(out.cpu().view(torch.int16), w.view(torch.int16))
     assert torch.equal(ref.view(torch.int16), w.view(torch.int16))
+
+
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q4_K", "Q5_K", "Q6_K"])
+def test_the_device_dequantizes_as_the_cpu_does(type_name):
+    """GGML blocks dequantized on the GPU give the CPU's values to the bit (which equal the gguf
+    package's: tests/test_quants.py), in float32 and rounded to bf16."""
+    from test_quants import random_blocks
+    from zimage_core import quants
+    elements = quants.TYPES[type_name][0]
+    blocks = torch.from_numpy(random_blocks(type_name, 512, seed=7))
+    shape = (16, 512 * elements // 16)
+    for dtype in (torch.float32, torch.bfloat16):
+        cpu = quants.dequantize(blocks, type_name, shape, dtype)
+        gpu = quants.dequantize(blocks.cuda(), type_name, shape, dtype)
+        assert torch.equal(gpu.cpu(), cpu), (type_name, dtype)
+
+
+@pytest.mark.parametrize("quant", ["Q8_0", "Q4_K", "Q6_K"])
+def test_a_gguf_streamed_on_cuda_computes_what_its_dequantized_weights_compute(tmp_path, tiny_file, quant):
+    """A GGUF's layers streamed as their blocks and dequantized on the device (``DeviceDecode``) give,
+    at every split, the image of the same transformer loaded from the gguf package's dequantized
+    weights, to the bit."""
+    from safetensors.torch import save_file
+    from test_gguf_file import reference
+    from tools.gguf_weights import write_gguf
+    want = reference(write_gguf(tiny_file, tmp_path / "tiny.gguf", quant))
+    save_file({k: torch.from_numpy(v) for k, v in want.items()}, str(tmp_path / "ref.safetensors"))
+    x, _, ctx = inputs(TINY, width=128, height=96)
+    ref = ZImageTransformer.load(str(tmp_path / "ref.safetensors"), device="cuda", dtype="bf16")
+    ref.prepare(128, 96, resident_layers=TINY.n_blocks)
+    expected = euler_sample(ref, x.cuda(), ctx.cuda(), steps=2)
+    ref.release()
+    before = host_memory.live_bytes()
+    m = ZImageTransformer.load(str(tmp_path / "tiny.gguf"), device="cuda", dtype="bf16")
+    assert m.streamer.config.quantized
+    m.prepare(128, 96, resident_layers=TINY.n_blocks)
+    assert torch.equal(euler_sample(m, x.cuda(), ctx.cuda(), steps=2), expected)
+    for r in range(TINY.n_blocks):
+        for slots in (1, 2):
+            m.streamer.configure(r, slots)
+            assert torch.equal(euler_sample(m, x.cuda(), ctx.cuda(), steps=2), expected), (r, slots)
+    masters = [h for h in m.streamer.masters.host if h is not None]
+    assert masters and all(h.dtype == torch.uint8 and h.is_pinned() for h in masters)  # blocks, pinned
+    m.release()
+    assert host_memory.live_bytes() == before

@@ -1,4 +1,4 @@
-"""python -m tools bench | random-weights | ratio: the core benchmark (median step against its bound,
+"""python -m tools bench | random-weights | random-lora | gguf-weights | ratio: the core benchmark (median step against its bound,
 in one process), the random-weight generator, and how well a checkpoint's layers compress. Run from
 the repository's root."""
 from __future__ import annotations
@@ -13,11 +13,12 @@ import torch
 
 from zimage_core import environment
 from zimage_core.__main__ import GiB, _Parser, count, gib, run, size_arguments
-from zimage_core.config import ZImageConfig
+from zimage_core.config import BIG_KEYS, ZImageConfig
 from zimage_core.settings import STORAGE_DTYPES
 
 from . import bench, ratio
-from .gguf_weights import write_gguf
+from .gguf_weights import QUANTS, write_gguf
+from . import random_weights
 from .random_weights import write_checkpoint
 
 
@@ -119,10 +120,22 @@ def _print_bench(r):
         print(f"  resident sha256     {r['resident_output_sha256']} ({same})")
 
 
+def matrix_list(text):
+    names = [v.strip() for v in text.split(",") if v.strip()]
+    if not names or set(names) - set(BIG_KEYS):
+        raise argparse.ArgumentTypeError(f"{text!r}: give some of {','.join(BIG_KEYS)}, comma separated")
+    return ",".join(names)
+
+
 def gguf_out(text):
     if not text.endswith(".gguf"):
         raise argparse.ArgumentTypeError(f"{text}: name it .gguf")
     return text
+
+
+def _lora(a):
+    out = random_weights.write_lora(a.out, a.layers, a.rank, a.matrices.split(","), a.seed)
+    print(f"wrote {out} (rank {a.rank} on {a.matrices} of {a.layers} layers)")
 
 
 def _gguf(a):
@@ -133,7 +146,7 @@ def _gguf(a):
 
 def main(argv=None):
     ap = _Parser(prog="python -m tools")
-    sub = ap.add_subparsers(dest="cmd", required=True, metavar="random-weights|gguf-weights|bench|ratio")
+    sub = ap.add_subparsers(dest="cmd", required=True, metavar="random-weights|random-lora|gguf-weights|bench|ratio")
     r = sub.add_parser("random-weights", help="write a full-size random checkpoint (ComfyUI layout)")
     r.add_argument("out", type=checkpoint_out,
                    help="the .safetensors file to write (its folder is created if missing)")
@@ -144,12 +157,20 @@ def main(argv=None):
     r.add_argument("--plain", action="store_true",
                    help="N(0, 0.02) for every matrix, as earlier versions drew (default: realistic scales)")
     r.set_defaults(fn=_random)
+    lo = sub.add_parser("random-lora", help="a random LoRA in the layout ComfyUI's stock LoRA loaders read")
+    lo.add_argument("out", type=checkpoint_out, help="the .safetensors file to write")
+    lo.add_argument("--layers", type=count(1, 64), default=30, help="main layers it patches (default 30)")
+    lo.add_argument("--rank", type=count(1, 1024), default=16)
+    lo.add_argument("--matrices", default=",".join(BIG_KEYS), type=matrix_list,
+                    help=f"which of each layer's matrices, comma separated (default all: {','.join(BIG_KEYS)})")
+    lo.add_argument("--seed", type=count(0, 2**63 - 1), default=3)
+    lo.set_defaults(fn=_lora)
     q = sub.add_parser("gguf-weights", help="a transformer file written as a GGUF, its layers quantized")
     q.add_argument("src", type=weights_file, help="a Z-Image transformer (.safetensors, or a folder as the loader takes)")
     q.add_argument("out", type=gguf_out, help="the .gguf file to write")
-    q.add_argument("--quant", default="Q8_0", choices=["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q4_K", "Q5_K", "Q6_K"],
+    q.add_argument("--quant", default="Q8_0", choices=QUANTS,
                    help="the GGML type of the layers' matrices (default Q8_0; K-quants as random valid blocks: "
-                        "the gguf package quantizes none)")
+                        "the gguf package quantizes none; Q4_K_M: Q4_K with each w2 in Q6_K)")
     q.add_argument("--prefix", action="store_true", help="keys behind model.diffusion_model., as ComfyUI saves them")
     q.set_defaults(fn=_gguf)
     c = sub.add_parser("ratio", help="compressed bytes of each streamed layer over its bf16 bytes")

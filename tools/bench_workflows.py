@@ -48,6 +48,16 @@ def official_workflow(a, prompt, unet=None, width=None, height=None):
     }
 
 
+def gguf_workflow(a, prompt, unet=None, width=None, height=None):
+    """The official template with ComfyUI-GGUF's loader (``UnetLoaderGGUF``) for the .gguf file."""
+    wf = official_workflow(a, prompt, unet, width, height)
+    wf["1"] = {"class_type": "UnetLoaderGGUF", "inputs": {"unet_name": unet or a.unet}}
+    return wf
+
+
+WORKFLOWS = {"pack": pack_workflow, "official": official_workflow, "gguf": gguf_workflow}
+
+
 # --session: the images of an evening, in order (a new prompt each): LoRAs on, off, switched, stacked
 # and at another strength, a second size, the stock-nodes workflow, a second checkpoint and back.
 # loras: [(index into --loras, strength)]; unet 2: --unet2

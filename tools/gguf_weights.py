@@ -4,7 +4,7 @@ tensor as stored (bf16, fp16 or fp32): the files the GGUF tests and benchmarks l
 package quantizes no K-quants: Q4_K, Q5_K and Q6_K matrices are random valid blocks instead, their
 scales set from the matrix's spread (values do not change speed; the images are noise).
 
-    python3 -m tools gguf-weights SRC.safetensors OUT.gguf [--quant Q8_0] [--prefix]
+    python3 -m tools gguf-weights SRC.safetensors OUT.gguf [--quant Q8_0|Q4_K_M|...] [--prefix]
 """
 from __future__ import annotations
 
@@ -18,6 +18,10 @@ BIG = tuple(f"{key}.weight" for key in BIG_KEYS.values())
 PLAIN = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
 # a K-quant block's float16 scales: byte offsets, and how many steps of its codes a weight's spread spans
 K_SCALES = {"Q4_K": ([0, 2], 32 * 8), "Q5_K": ([0, 2], 32 * 16), "Q6_K": ([208], 32 * 32)}
+# mixes as llama.cpp's quantizer names them: the medium K-quant keeps the feed-forward's down
+# projection (w2) at 6 bits and stores the other matrices in 4
+MIXES = {"Q4_K_M": {"": "Q4_K", "feed_forward.w2.weight": "Q6_K"}}
+QUANTS = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q4_K", "Q5_K", "Q6_K", *MIXES]
 
 
 def random_k_blocks(values: np.ndarray, quant: str, seed: int) -> np.ndarray:
@@ -35,25 +39,32 @@ def random_k_blocks(values: np.ndarray, quant: str, seed: int) -> np.ndarray:
     return blocks.reshape(rows, -1)
 
 
+def as_f32(key, t) -> bool:
+    """ComfyUI-GGUF's converter keeps 1-D and small tensors in F32, and its loader cannot read a BF16
+    tensor that the model holds as a bare parameter (the pad tokens) into it."""
+    return t.dim() == 1 or t.numel() <= 1024 or key.endswith("_pad_token")
+
+
 def write_gguf(src, out, quant: str = "Q8_0", prefix: bool = False):
     """``src`` (any layout the loader reads) as the GGUF ``out``; ``prefix``: keys behind
     ``model.diffusion_model.``, as files saved from inside ComfyUI have them."""
     import gguf
 
-    qtype = getattr(gguf.GGMLQuantizationType, quant)
+    mix = MIXES.get(quant, {"": quant})
     ck = Checkpoint(src)
     writer = gguf.GGUFWriter(str(out), "lumina2")
     try:
         for key in ck.keys():
             name = COMFY_PREFIX * prefix + key
             if key.endswith(BIG):
+                kind = next((q for end, q in mix.items() if end and key.endswith(end)), mix[""])
                 values = ck.tensor(key, dtype=torch.float32).numpy()
-                blocks = (random_k_blocks(values, quant, seed=len(name)) if quant in K_SCALES
-                          else gguf.quants.quantize(values, qtype))
-                writer.add_tensor(name, blocks, raw_dtype=qtype)
+                blocks = (random_k_blocks(values, kind, seed=len(name)) if kind in K_SCALES
+                          else gguf.quants.quantize(values, getattr(gguf.GGMLQuantizationType, kind)))
+                writer.add_tensor(name, blocks, raw_dtype=getattr(gguf.GGMLQuantizationType, kind))
             else:
                 t = ck.tensor(key)
-                if t.dtype not in PLAIN:
+                if t.dtype not in PLAIN or as_f32(key, t):
                     t = t.float()
                 raw = t.view(torch.int16).numpy() if t.dtype == torch.bfloat16 else t.numpy()
                 writer.add_tensor(name, np.ascontiguousarray(raw), raw_shape=list(t.shape),

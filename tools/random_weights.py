@@ -23,7 +23,7 @@ import struct
 import torch
 
 from zimage_core.checkpoint import COMFY_PREFIX, diffusers_keys, expected_shapes
-from zimage_core.config import ZImageConfig
+from zimage_core.config import BIG_KEYS, ZImageConfig
 from zimage_core.safetensors_file import DTYPES
 
 _NAMES = {v: k for k, v in DTYPES.items()}
@@ -122,3 +122,22 @@ def write_checkpoint(path, cfg: ZImageConfig, values=None, dtype=torch.bfloat16,
     with open(index, "w") as f:
         json.dump({"metadata": {}, "weight_map": weight_map}, f)
     return [index]
+
+
+def write_lora(path, layers: int, rank: int = 16, matrices=tuple(BIG_KEYS), seed: int = 3, cfg=ZImageConfig()):
+    """A random rank-``rank`` LoRA on ``matrices`` (names of ``BIG_KEYS``) of the first ``layers`` main
+    layers, in the key layout ComfyUI's stock LoRA loaders read (kohya's ``lora_unet_...``)."""
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(seed)
+    shapes = cfg.big_shapes
+    sd = {}
+    for i in range(layers):
+        for m in matrices:
+            rows, cols = shapes[m]
+            name = f"lora_unet_layers_{i}_{BIG_KEYS[m].replace('.', '_')}"
+            sd[f"{name}.lora_up.weight"] = torch.randn(rows, rank, generator=g) * 0.02
+            sd[f"{name}.lora_down.weight"] = torch.randn(rank, cols, generator=g) * 0.02
+            sd[f"{name}.alpha"] = torch.tensor(float(rank))
+    save_file(sd, path)
+    return path

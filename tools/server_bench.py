@@ -7,6 +7,8 @@ simulated cards and (optionally) a simulated smaller host RAM. Standard library 
         [--card full --card 7.5] [--ram-gib 28] [--images 4] [--size 1024] [--steps 8] \\
         [--pipelines pack,official] [--dynamic on|off] [--env ZIMAGE_PINNED_GIB=8] [--json out.json]
 
+    python tools/server_bench.py ... --unet MODEL.gguf --pipelines pack,gguf --gguf-nodes PATH/TO/ComfyUI-GGUF
+
     python tools/server_bench.py ... --session --loras A.safetensors,B.safetensors --unet2 FP8_FILE
 
 --weights DIR holds z_image_turbo_bf16.safetensors (or --unet NAME), qwen_3_4b.safetensors and
@@ -33,6 +35,11 @@ Simulated machine:
                  With --ram-gib or --machine-gib T and no --cache-ram they are derived from T
                  (default T: --ram-gib rounded up to 16, 32, 64, ...).
 --cpu runs everything on the CPU (plumbing checks with small weights, no ballast).
+
+Pipelines: pack (this pack's workflow), official (ComfyUI's template), gguf (the official template
+with ComfyUI-GGUF's `Unet Loader (GGUF)` in place of UNETLoader: --gguf-nodes is a checkout of
+city96/ComfyUI-GGUF, linked into custom_nodes beside the pack). Every other pipeline is compared with
+the pack's.
 """
 import argparse
 import json
@@ -45,7 +52,7 @@ import sys
 import tempfile
 import time
 
-from bench_workflows import SESSION, TE, VAE, official_workflow, pack_workflow, session_workflow
+from bench_workflows import SESSION, TE, VAE, WORKFLOWS, session_workflow
 from server_processes import PHASES, Server, mem_available_gib, read_through, rss_gib, spawn, start_ballast, stop
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -80,6 +87,9 @@ def make_base(a):
                 *dict.fromkeys("models/" + f for f, _ in files)):
         os.makedirs(os.path.join(base, sub))
     os.symlink(ROOT, os.path.join(base, "custom_nodes", PACK), target_is_directory=True)
+    if a.gguf_nodes:
+        os.symlink(os.path.abspath(a.gguf_nodes), os.path.join(base, "custom_nodes", "ComfyUI-GGUF"),
+                   target_is_directory=True)
     for folder, name in files:
         os.symlink(os.path.join(os.path.abspath(a.weights), name), os.path.join(base, "models", folder, name))
     return base
@@ -127,11 +137,10 @@ def one_server(a, base, pipeline, card, tag):
         server.new_log()  # start-up lines are not an image's
         rec = dict(pipeline=pipeline, card=card, ram_available_gib=round(avail, 2), log=log, server_cmd=cmd,
                    env=a.env if pipeline == "pack" else [], images=[])
-        build = pack_workflow if pipeline == "pack" else official_workflow
         steps = SESSION if a.session else [None] * a.images
         for i, step in enumerate(steps):
             prompt = PROMPTS[i % len(PROMPTS)] + (f", variation {i // len(PROMPTS)}" if i >= len(PROMPTS) else "")
-            wf = session_workflow(a, pipeline, step, prompt) if step else build(a, prompt)
+            wf = session_workflow(a, pipeline, step, prompt) if step else WORKFLOWS[pipeline](a, prompt)
             sec = server.run(wf, a.timeout)
             anon, file = rss_gib(server.proc.pid)
             row = dict(image=i + 1, label=step["label"] if step else "", seconds=round(sec, 3),
@@ -175,12 +184,11 @@ def report(runs):
     ratios = {}
     for card in dict.fromkeys(r["card"] for r in runs):
         by = {r["pipeline"]: r["summary"] for r in runs if r["card"] == card}
-        if "pack" in by and "official" in by:
-            div = lambda k: (round(by["official"][k] / by["pack"][k], 3)
-                             if by["official"][k] and by["pack"][k] else None)
-            ratios[card] = dict(warm=div("warm_median_s"), first=div("first_s"), total=div("total_s"))
-            print(f"card {card}: official / pack = {f(ratios[card]['warm'], 5)} warm, {f(ratios[card]['first'], 5)} first, "
-                  f"{f(ratios[card]['total'], 5)} the whole run ({by['official']['total_s']:.1f} / {by['pack']['total_s']:.1f} s)")
+        for other in [p for p in by if p != "pack" and "pack" in by]:
+            div = lambda k: (round(by[other][k] / by["pack"][k], 3) if by[other][k] and by["pack"][k] else None)
+            r = ratios.setdefault(card, {})[other] = dict(warm=div("warm_median_s"), first=div("first_s"), total=div("total_s"))
+            print(f"card {card}: {other} / pack = {f(r['warm'], 5)} warm, {f(r['first'], 5)} first, "
+                  f"{f(r['total'], 5)} the whole run ({by[other]['total_s']:.1f} / {by['pack']['total_s']:.1f} s)")
     return ratios
 
 
@@ -190,7 +198,8 @@ def main(argv=None):
     ap.add_argument("--python", default=sys.executable, help="python for the servers and ballasts (default: this one)")
     ap.add_argument("--weights", required=True, help="folder with the transformer, qwen_3_4b and ae files")
     ap.add_argument("--unet", default="z_image_turbo_bf16.safetensors", help="transformer file in --weights")
-    ap.add_argument("--pipelines", default="pack,official", help="comma separated: pack, official")
+    ap.add_argument("--pipelines", default="pack,official", help="comma separated: pack, official, gguf")
+    ap.add_argument("--gguf-nodes", help="a checkout of city96/ComfyUI-GGUF (the gguf pipeline's loader)")
     ap.add_argument("--card", action="append", help='GiB of GPU memory left free, or "full" (repeatable, commas)')
     ap.add_argument("--ram-gib", type=float, help="hold host RAM so that only this many GiB are available")
     ap.add_argument("--machine-gib", type=float, help="nominal RAM of the simulated machine (for --cache-ram)")
@@ -224,8 +233,12 @@ def main(argv=None):
     if a.cpu and cards != ["full"] * len(cards):
         raise SystemExit("--card needs a GPU; with --cpu use --card full")
     pipelines = [p.strip() for p in a.pipelines.split(",")]
-    if set(pipelines) - {"pack", "official"} or any("=" not in kv for kv in a.env):
-        raise SystemExit("--pipelines takes pack and/or official; --env takes K=V")
+    if set(pipelines) - set(WORKFLOWS) or any("=" not in kv for kv in a.env):
+        raise SystemExit(f"--pipelines takes {', '.join(WORKFLOWS)}; --env takes K=V")
+    if "gguf" in pipelines and not (a.gguf_nodes and os.path.isfile(os.path.join(a.gguf_nodes, "nodes.py"))):
+        raise SystemExit("the gguf pipeline needs --gguf-nodes: a checkout of city96/ComfyUI-GGUF (with its nodes.py)")
+    if "gguf" in pipelines and (a.session or not a.unet.endswith(".gguf")):
+        raise SystemExit("the gguf pipeline runs --images of a .gguf --unet (not --session)")
     if a.images < 1:
         raise SystemExit("--images takes 1 or more")
     if a.session:
@@ -252,7 +265,7 @@ def main(argv=None):
             if a.json:
                 with open(a.json, "w") as f:
                     json.dump(out, f, indent=1)
-    out["ratios_official_over_pack"] = report(runs)
+    out["ratios_over_pack"] = report(runs)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(out, f, indent=1)
