@@ -359,3 +359,21 @@ def test_layers_stored_quantized_are_planned_at_their_stored_bytes():
     assert q4.needed_bytes == plan(FULL, int(5.5 * GiB), 1024, 1024).needed_bytes + CODEC_BYTES
     bound = lambda stored: plan(FULL, int(5.5 * GiB), 1024, 1024, compute_copy_ratio=0.5, stored=stored)
     assert bound(layer // 4).resident_layers <= plain.resident_layers  # the decode's buffers take room
+
+
+def test_a_quantized_layers_dequantization_counts_in_its_simulated_step():
+    """Every streamed layer of a GGUF is dequantized where it lands, from a master or from the file:
+    the simulated step grows with the dequantization, and a layer read from the file moves its
+    blocks' bytes, not a plain layer's."""
+    from zimage_core.simulation import step_with_pinned
+    costs = [0.5] * 30
+    plain = step_with_pinned(30, 10, 2, costs, 0.0, 5, 1.5, 0.25, 0.0)
+    quick = step_with_pinned(30, 10, 2, costs, 0.0, 5, 1.5, 0.25, 0.0, coded_file=True)
+    slow = step_with_pinned(30, 10, 2, costs, 0.0, 5, 1.5, 0.25, 0.3, coded_file=True)
+    assert quick < plain and slow > quick
+    assert slow == pytest.approx(quick + 20 * 0.3, rel=0.05)  # compute-bound: each streamed layer's dequantization adds
+    layer = plan(FULL, int(5.5 * GiB), 1024, 1024).layer_bytes
+    at = lambda decode: plan(FULL, int(5.5 * GiB), 1024, 1024, compute_copy_ratio=0.5, file_copy=1.2,
+                             stored=layer // 4, decode=decode)
+    assert at(0.0).fits and at(2.0).fits
+    assert at(2.0).resident_layers >= at(0.0).resident_layers  # dear dequantization: keep more resident

@@ -1,15 +1,17 @@
 """What the planner needs measured on the device that computes, once per image size: one layer's
 compute over one layer's upload, an upload from the file over one from a pinned master, and a
-compressed layer's decode."""
+compressed layer's decode, a quantized layer's dequantization."""
 from __future__ import annotations
 
 import time
 
 import torch
 
-from . import attention_input, compression, elementwise
+from . import attention_input, compression, elementwise, quants
+from .device_decode import dequantize_run
 from .device_timing import device_seconds
 from .errors import OutOfDeviceMemory
+from .gguf_file import PLAIN
 from .simulation import compute_copy_ratio
 from .streamer import LayerStreamer
 
@@ -20,6 +22,7 @@ class Calibration:
         self.device = streamer.device
         self._ratios = {}          # tokens -> (compute/copy ratio, page-cache/pinned upload, upload seconds)
         self._layer_decode_s = None  # a compressed layer's decode on this device, once measured
+        self._layer_dequantize_s = None  # a quantized layer's dequantization, likewise
 
     def ratios(self, tokens: int, make_room) -> tuple:
         """(compute/copy ratio, page-cache/pinned upload or None, a layer's upload in seconds) for
@@ -84,3 +87,20 @@ class Calibration:
             seconds = compression.decode_seconds(chunks, packed, torch.empty_like(flat))
             self._layer_decode_s = seconds * self.streamer.layout.numel / flat.numel()
         return self._layer_decode_s / layer_upload_s
+
+    def dequantize_ratio(self, layer_upload_s: float) -> float:
+        """A quantized layer's dequantization on this device over a layer's upload: its largest
+        matrix's blocks dequantized here once, as ``DeviceDecode`` does, scaled to the layer (a
+        K-quant mix's matrices differ in type: the largest stands for them all)."""
+        if self._layer_dequantize_s is None:
+            s = self.streamer
+            t = max(s.masters.layer_blocks(s.order[-1]).values(), key=lambda t: t.data.numel())
+            if t.type_name in PLAIN:
+                self._layer_dequantize_s = 0.0
+            else:
+                per, nbytes, fn = quants.TYPES[t.type_name]
+                blocks = t.data.to(self.device).view(-1, nbytes)
+                out = torch.empty(blocks.shape[0] * per, dtype=s.layout.dtype, device=self.device)
+                seconds = device_seconds(lambda: dequantize_run(blocks, fn, per, out, 0))
+                self._layer_dequantize_s = seconds * s.layout.numel / out.numel()
+        return self._layer_dequantize_s / layer_upload_s

@@ -16,6 +16,16 @@ from .gguf_file import PLAIN
 QUANT_PIECE = 4 << 20
 
 
+def dequantize_run(blocks: torch.Tensor, fn, per: int, region: torch.Tensor, start: int):
+    """Whole blocks ([n, bytes], on the device) dequantized by ``fn`` into ``region`` from element
+    ``start``, ``QUANT_PIECE`` weights at a time."""
+    piece = max(1, QUANT_PIECE // per)  # blocks one dequantization takes
+    for p in range(0, blocks.shape[0], piece):
+        out = fn(blocks[p:p + piece]).reshape(-1)
+        at = start + p * per
+        region[at:at + out.numel()].copy_(out)
+
+
 class DeviceDecode:
     def __init__(self, device: torch.device, copy_stream):
         self.device, self.copy_stream = device, copy_stream
@@ -75,15 +85,8 @@ class DeviceDecode:
             per, nbytes, fn = quants.TYPES[t.type_name]
             data = t.data.view(-1, nbytes)
             run = compression.GROUP_BYTES // nbytes   # blocks a buffer holds
-            piece = max(1, QUANT_PIECE // per)        # blocks one dequantization takes
             for a in range(0, data.shape[0], run):
                 rows = data[a:a + run]
-
-                def decode(b, a=a, n=rows.shape[0]):
-                    b = b.view(n, nbytes)
-                    for p in range(0, n, piece):
-                        out = fn(b[p:p + piece]).reshape(-1)
-                        start = (a + p) * per
-                        region[start:start + out.numel()].copy_(out)
-                self._cross(rows.reshape(-1), decode)
+                self._cross(rows.reshape(-1), lambda b, a=a, n=rows.shape[0]:
+                            dequantize_run(b.view(n, nbytes), fn, per, region, a * per))
         return self.stream

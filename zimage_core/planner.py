@@ -274,12 +274,13 @@ def plan(cfg: ZImageConfig, free_bytes: int, width: int, height: int, batch: int
     the same unit). "on" compresses wherever the decode's two device buffers fit beside the rest;
     "auto" where that also makes the simulated step at least 2% shorter: where the copies hide
     behind the compute anyway, the decode only adds to it (``Plan.compressed``). ``stored``: a
-    layer's bytes as its file stores them, where its masters keep them so and uploads decode them
-    on the device (a GGUF's blocks); then nothing is compressed."""
+    layer's bytes as its file stores them, where its masters keep them so and uploads dequantize
+    them on the device (a GGUF's blocks; ``decode``: that dequantization); then nothing is
+    compressed."""
     args = (cfg, free_bytes - limits.leave_free, width, height, batch, storage, dtype, compute_copy_ratio,
             limits.host_room, file_copy, text_tokens)
     if stored is not None:
-        return _within(_plan(*args, stored=stored)[0], limits)
+        return _within(_plan(*args, stored=stored, decode=decode)[0], limits)
     return _within(_with_compression(args, compress, decode, storage), limits)
 
 
@@ -309,7 +310,7 @@ def _plan(cfg, free_bytes, width, height, batch, storage, dtype, compute_copy_ra
     # over 13 and 3 (106.0 ms)
     master_copy = (compression.expected(packed.numel) if compress else (stored or layer)) / layer
     codec = CODEC_BYTES if compress or stored else 0  # the decode's device buffers
-    decode = decode if compress else 0.0
+    decode = decode if compress or stored else 0.0
     fixed = cfg.fixed_params() * dtype.itemsize
     act = activation_bytes(cfg, width, height, batch, text_tokens, dtype=dtype, storage=storage)
     room = free_bytes - fixed - act - device_margin(act, batch) - codec
@@ -332,7 +333,7 @@ def _plan(cfg, free_bytes, width, height, batch, storage, dtype, compute_copy_ra
     streamed = n - r
     needed = streamed
     if fits and streamed and compute_copy_ratio is not None and file_copy is not None:
-        needed = pinned_needed(n, r, k, costs, before, file_copy, master_copy, decode)
+        needed = pinned_needed(n, r, k, costs, before, file_copy, master_copy, decode, stored is not None)
 
     def need(w, h):  # the least a size needs: everything streamed through one slot
         a = activation_bytes(cfg, w, h, batch, text_tokens, dtype=dtype, storage=storage)
@@ -344,7 +345,8 @@ def _plan(cfg, free_bytes, width, height, batch, storage, dtype, compute_copy_ra
     pinned = min(needed, _pinned_count(streamed, host_room, master))
     step = None
     if fits and compute_copy_ratio is not None:
-        step = step_with_pinned(n, r, k, costs, before, pinned, file_copy or 1.0, master_copy, decode)
+        step = step_with_pinned(n, r, k, costs, before, pinned, file_copy or 1.0, master_copy, decode,
+                                stored is not None)
     return Plan(width, height, batch, free_bytes, r, streamed, k if fits else 0,
                 layer, fixed, act, fixed + act + (r + k) * layer if fits else 0, fits,
                 needed_bytes=need(width, height),

@@ -87,24 +87,28 @@ def _simulate(n_layers, resident, slots, compute, copy, fixed, steps, decode) ->
 
 
 def pinned_needed(n_layers, resident, slots, costs, fixed, file_copy: float, master_copy: float = 1.0,
-                  decode: float = 0.0) -> int:
+                  decode: float = 0.0, coded_file: bool = False) -> int:
     """The fewest streamed layers that need pinned masters for a step to take no longer (within 1%)
     than with every one pinned, the others read from the page cache at ``file_copy`` times a
     plain pinned upload (a master's upload takes ``master_copy`` of that, and ``decode`` on the
-    device, where it is compressed). The pinned ones are the first to run (``planner``)."""
+    device, where it is compressed; ``coded_file``: see ``step_with_pinned``). The pinned ones are
+    the first to run (``planner``)."""
     streamed = n_layers - resident
     best = simulate_step(n_layers, resident, slots, costs, master_copy, fixed, decode=decode)
     for pinned in range(streamed):
         if step_with_pinned(n_layers, resident, slots, costs, fixed, pinned, file_copy, master_copy,
-                            decode) <= best * 1.01:
+                            decode, coded_file) <= best * 1.01:
             return pinned
     return streamed
 
 
-def step_with_pinned(n_layers, resident, slots, costs, fixed, pinned, file_copy, master_copy=1.0, decode=0.0):
+def step_with_pinned(n_layers, resident, slots, costs, fixed, pinned, file_copy, master_copy=1.0, decode=0.0,
+                     coded_file=False):
     """``simulate_step`` with the first ``pinned`` streamed layers uploaded from masters (each
     ``master_copy`` of a plain upload, and ``decode`` on the device) and the rest read plain from
-    the page cache at ``file_copy``."""
+    the page cache at ``file_copy``; ``coded_file``: the file stores them as the masters do (a
+    GGUF's blocks), so the rest move ``master_copy`` of a layer from it and are decoded too."""
     rest = n_layers - resident - pinned
-    return simulate_step(n_layers, resident, slots, costs, [master_copy] * pinned + [file_copy] * rest, fixed,
-                         decode=[decode] * pinned + [0.0] * rest)
+    from_file, rest_decode = (file_copy * master_copy, decode) if coded_file else (file_copy, 0.0)
+    return simulate_step(n_layers, resident, slots, costs, [master_copy] * pinned + [from_file] * rest, fixed,
+                         decode=[decode] * pinned + [rest_decode] * rest)

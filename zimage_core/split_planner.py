@@ -55,5 +55,7 @@ class SplitPlanner:
             mode = "off"  # not even a decode that took no time would shorten a step: no check to wait for
         if mode != "off" and not (self.device.type == "cuda" and compression.decodes_on(self.device)):
             mode = "off"  # it says why, once
+        if stored is not None:  # every streamed layer is dequantized where it lands
+            return split(decode=self.calibration.dequantize_ratio(upload_s) if upload_s else 0.0)
         decode = self.calibration.decode_ratio(upload_s) if mode != "off" else 0.0
         return split(compress=mode, decode=decode)
