@@ -9,6 +9,8 @@ from zimage_core.settings import Settings
 from zimage_core.transformer import ZImageTransformer
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+# a forced split's streamed layers all get masters (the planner names them where it plans)
+EVERY_LAYER = frozenset(range(TINY.n_blocks))
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
@@ -22,7 +24,7 @@ def test_streamed_equals_resident_on_cuda(tiny_file, dtype):
     assert m.streamer.masters.master_layers == 0  # resident layers came from the file through staging
     for r in range(TINY.n_blocks):
         for slots in (1, 2, 3):
-            m.streamer.configure(r, slots)
+            m.streamer.configure(r, slots, masters=EVERY_LAYER)
             out = euler_sample(m, x.cuda(), ctx.cuda(), steps=4)
             assert torch.equal(out, ref), (r, slots)
     assert all(h is not None and h.is_pinned() for h in m.streamer.masters.host)  # each streamed once: a pinned master
@@ -170,7 +172,7 @@ def test_compressed_masters_are_bit_identical_on_cuda(tiny_file, monkeypatch):
     ref = euler_sample(m, x.cuda(), ctx.cuda(), steps=4)
     for r in range(TINY.n_blocks):
         for slots in (1, 2, 3):
-            m.streamer.configure(r, slots)
+            m.streamer.configure(r, slots, masters=EVERY_LAYER, compress=True)
             assert torch.equal(euler_sample(m, x.cuda(), ctx.cuda(), steps=4), ref), (r, slots)
     s = m.streamer
     assert all(c is not None and len(c) > 2 for c in s.masters.codes) and all(h.is_pinned() for h in s.masters.host)
@@ -245,7 +247,7 @@ def test_a_gguf_streamed_on_cuda_computes_what_its_dequantized_weights_compute(t
     assert torch.equal(euler_sample(m, x.cuda(), ctx.cuda(), steps=2), expected)
     for r in range(TINY.n_blocks):
         for slots in (1, 2):
-            m.streamer.configure(r, slots)
+            m.streamer.configure(r, slots, masters=EVERY_LAYER)
             assert torch.equal(euler_sample(m, x.cuda(), ctx.cuda(), steps=2), expected), (r, slots)
     masters = [h for h in m.streamer.masters.host if h is not None]
     assert masters and all(h.dtype == torch.uint8 and h.is_pinned() for h in masters)  # blocks, pinned
