@@ -292,16 +292,15 @@ def test_a_file_that_changes_while_a_master_is_encoded_leaves_no_master(tmp_path
     assert host_memory.live_bytes() == before
 
 
-@pytest.mark.parametrize("extra", ["scaled_fp8", "layers.0.feed_forward.w1.scale_weight",
-                                   "layers.0.attention.qkv.weight_scale"])
-def test_scaled_fp8_exports_are_refused(tmp_path, reference, extra):
-    """Their weights are only right times a scale this loader does not apply: refused, not run wrong."""
+def test_a_scale_beside_a_weight_that_is_not_fp8_is_refused(tmp_path, reference):
+    """Scaled exports are read (tests/test_scaled_fp8.py); a scale beside a bf16 weight is no export
+    ComfyUI makes: refused, not guessed at."""
     shapes = expected_shapes(TINY)
-    entries = [(k, s, torch.float8_e4m3fn, lambda k=k: reference[k]) for k, s in shapes.items()]
-    entries.append((extra, (1,), torch.float32, lambda: torch.ones(1)))
+    entries = [(k, s, torch.bfloat16, lambda k=k: reference[k]) for k, s in shapes.items()]
+    entries.append(("layers.0.feed_forward.w1.scale_weight", (1,), torch.float32, lambda: torch.ones(1)))
     p = tmp_path / "scaled.safetensors"
     write_safetensors(str(p), entries)
-    _expect(p, "scaled (quantized) export", extra, "bf16 file")
+    _expect(p, "has a scale for layers.0.feed_forward.w1.weight", "not fp8 e4m3fn", "bf16 file")
 
 
 def test_a_master_that_maps_the_file_is_never_written(tiny_file):

@@ -253,3 +253,25 @@ def test_a_gguf_streamed_on_cuda_computes_what_its_dequantized_weights_compute(t
     assert masters and all(h.dtype == torch.uint8 and h.is_pinned() for h in masters)  # blocks, pinned
     m.release()
     assert host_memory.live_bytes() == before
+
+
+def test_a_scaled_fp8_file_streamed_on_cuda_computes_what_comfyui_dequantizes(tmp_path, tiny_file):
+    """A scaled fp8 file's layers stream as their fp8 bytes and are scaled on the device (as ComfyUI
+    dequantizes them, in bf16): at every split the image of the weights ComfyUI would compute with."""
+    from safetensors.torch import save_file
+    from test_scaled_fp8 import comfy_dequantized
+    from tools.fp8_weights import write_scaled_fp8
+    path = str(write_scaled_fp8(tiny_file, tmp_path / "tiny_fp8.safetensors"))
+    save_file(comfy_dequantized(path, torch.bfloat16), str(tmp_path / "ref.safetensors"))
+    x, _, ctx = inputs(TINY, width=128, height=96)
+    ref = ZImageTransformer.load(str(tmp_path / "ref.safetensors"), device="cuda", dtype="bf16")
+    ref.prepare(128, 96, resident_layers=TINY.n_blocks)
+    expected = euler_sample(ref, x.cuda(), ctx.cuda(), steps=2)
+    ref.release()
+    m = ZImageTransformer.load(path, device="cuda", dtype="bf16")
+    m.prepare(128, 96, resident_layers=TINY.n_blocks)
+    assert torch.equal(euler_sample(m, x.cuda(), ctx.cuda(), steps=2), expected)
+    for r in range(TINY.n_blocks):
+        m.streamer.configure(r, 2, masters=EVERY_LAYER)
+        assert torch.equal(euler_sample(m, x.cuda(), ctx.cuda(), steps=2), expected), r
+    m.release()

@@ -1,4 +1,4 @@
-"""python -m tools bench | random-weights | random-lora | gguf-weights | ratio: the core benchmark (median step against its bound,
+"""python -m tools bench | random-weights | random-lora | gguf-weights | fp8-weights | ratio: the core benchmark (median step against its bound,
 in one process), the random-weight generator, and how well a checkpoint's layers compress. Run from
 the repository's root."""
 from __future__ import annotations
@@ -17,6 +17,7 @@ from zimage_core.config import BIG_KEYS, ZImageConfig
 from zimage_core.settings import STORAGE_DTYPES
 
 from . import bench, ratio
+from .fp8_weights import write_scaled_fp8
 from .gguf_weights import QUANTS, write_gguf
 from . import random_weights
 from .random_weights import write_checkpoint
@@ -138,6 +139,11 @@ def _lora(a):
     print(f"wrote {out} (rank {a.rank} on {a.matrices} of {a.layers} layers)")
 
 
+def _fp8(a):
+    print(f"wrote {write_scaled_fp8(a.src, a.out, a.mixed)} (its layers' matrices scaled fp8, "
+          f"{'ComfyUI mixed-precision' if a.mixed else 'legacy scaled_fp8'} layout)")
+
+
 def _gguf(a):
     if importlib.util.find_spec("gguf") is None:
         sys.exit("error: writing a GGUF needs the gguf package: python3 -m pip install gguf")
@@ -146,7 +152,7 @@ def _gguf(a):
 
 def main(argv=None):
     ap = _Parser(prog="python -m tools")
-    sub = ap.add_subparsers(dest="cmd", required=True, metavar="random-weights|random-lora|gguf-weights|bench|ratio")
+    sub = ap.add_subparsers(dest="cmd", required=True, metavar="random-weights|random-lora|gguf-weights|fp8-weights|bench|ratio")
     r = sub.add_parser("random-weights", help="write a full-size random checkpoint (ComfyUI layout)")
     r.add_argument("out", type=checkpoint_out,
                    help="the .safetensors file to write (its folder is created if missing)")
@@ -173,6 +179,12 @@ def main(argv=None):
                         "the gguf package quantizes none; Q4_K_M: Q4_K with each w2 in Q6_K)")
     q.add_argument("--prefix", action="store_true", help="keys behind model.diffusion_model., as ComfyUI saves them")
     q.set_defaults(fn=_gguf)
+    f8 = sub.add_parser("fp8-weights", help="a transformer file written as scaled fp8, as ComfyUI makes them")
+    f8.add_argument("src", type=weights_file, help="a Z-Image transformer (.safetensors, or a folder as the loader takes)")
+    f8.add_argument("out", type=checkpoint_out, help="the .safetensors file to write")
+    f8.add_argument("--mixed", action="store_true",
+                    help="ComfyUI's mixed-precision quant layout (.weight_scale, .comfy_quant) instead of scaled_fp8")
+    f8.set_defaults(fn=_fp8)
     c = sub.add_parser("ratio", help="compressed bytes of each streamed layer over its bf16 bytes")
     c.add_argument("--weights", type=weights_file, required=True, help="a Z-Image transformer .safetensors file")
     c.add_argument("--layers", type=count(1, 64), help="only the first N layers (the encode is slow on a CPU)")

@@ -15,6 +15,7 @@ import torch
 from .config import BIG_KEYS, ZImageConfig
 from .errors import CheckpointError
 from .gguf_file import GGUFFile
+from .scaled_fp8 import ScaledFile, open_scaled
 from .safetensors_file import SafetensorsFile
 
 COMFY_PREFIX = "model.diffusion_model."
@@ -90,8 +91,12 @@ class Checkpoint:
 
     def __init__(self, path):
         self.path = os.fspath(path)
-        self.files = [GGUFFile(p) if p.endswith(".gguf") else SafetensorsFile(p) for p in _shard_paths(self.path)]
+        self.files = []
         try:
+            for p in _shard_paths(self.path):
+                self.files.append(GGUFFile(p) if p.endswith(".gguf") else SafetensorsFile(p))
+                if isinstance(self.files[-1], SafetensorsFile):
+                    self.files[-1] = open_scaled(self.files[-1])
             self._index = self._canonical_index()
             self.config = self._read_config()
             self._validate()
@@ -140,9 +145,9 @@ class Checkpoint:
 
     @property
     def streams_blocks(self) -> bool:
-        """A GGUF whose layers' matrices are each one stored tensor: its layers can stream as stored
-        (``StreamConfig.quantized``)."""
-        return all(isinstance(f, GGUFFile) for f in self.files) and all(
+        """A GGUF (or a scaled fp8 file) whose layers' matrices are each one stored tensor: its layers
+        can stream as stored (``StreamConfig.quantized``)."""
+        return all(isinstance(f, (GGUFFile, ScaledFile)) for f in self.files) and all(
             len(self._index[k]) == 1 for k in self._index if k.endswith(tuple(f"{v}.weight" for v in BIG_KEYS.values())))
 
     @property
@@ -230,14 +235,6 @@ class Checkpoint:
 
     def _validate(self):
         want = expected_shapes(self.config)
-        # scaled / mixed fp8 exports keep a scale beside each quantized weight: read without it,
-        # the weights are wrong by that factor and the image is garbage, so they are refused
-        scaled = sorted(k for k in self._index if k not in want and ("scale" in k or "comfy_quant" in k))
-        if scaled:
-            raise CheckpointError(self.path, f"is a scaled (quantized) export: it has {len(scaled)} scale "
-                                             f"tensor(s) such as {scaled[0]}, which this loader does not apply.",
-                                  "Use the bf16 file or a plain fp8 e4m3fn export (no scales), or ComfyUI's "
-                                  "own UNETLoader for this file.")
         missing = [k for k in want if k not in self._index]
         if missing:
             shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")

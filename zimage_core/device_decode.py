@@ -26,6 +26,14 @@ def dequantize_run(blocks: torch.Tensor, fn, per: int, region: torch.Tensor, sta
         region[at:at + out.numel()].copy_(out)
 
 
+def _cast(dst: torch.Tensor, src: torch.Tensor, scale: float | None):
+    """``src`` cast into ``dst``, times ``scale`` (a scaled fp8 weight's, in ``dst``'s dtype) where given."""
+    if scale is None:
+        dst.copy_(src)
+    else:
+        torch.mul(src.to(dst.dtype), scale, out=dst)
+
+
 class DeviceDecode:
     def __init__(self, device: torch.device, copy_stream):
         self.device, self.copy_stream = device, copy_stream
@@ -77,10 +85,11 @@ class DeviceDecode:
             if t.type_name in PLAIN:
                 values = t.data.view(PLAIN[t.type_name])
                 step = compression.GROUP_BYTES // values.element_size()
+                scale = None if t.scale is None else t.scale_in(region.dtype)
                 for a in range(0, values.numel(), step):
                     part = values[a:a + step]
-                    self._cross(part.view(torch.uint8),
-                                lambda b, a=a, n=part.numel(), d=part.dtype: region[a:a + n].copy_(b.view(d)))
+                    self._cross(part.view(torch.uint8), lambda b, a=a, n=part.numel(), d=part.dtype:
+                                _cast(region[a:a + n], b.view(d), scale))
                 continue
             per, nbytes, fn = quants.TYPES[t.type_name]
             data = t.data.view(-1, nbytes)

@@ -17,21 +17,30 @@ from .safetensors_file import FileChanged
 
 ARCHITECTURES = ("lumina2",)    # what ComfyUI-GGUF's converter names a Z-Image (Lumina 2 family) file
 PREFIX = "model.diffusion_model."
-PLAIN = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+# stored types that need no dequantization, only a cast (F8_E4M3: a scaled fp8 file's, ``scaled_fp8``)
+PLAIN = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F8_E4M3": torch.float8_e4m3fn}
 _FIX = "Pick a Z-Image-Turbo GGUF (e.g. z_image_turbo-Q8_0.gguf) in models/diffusion_models."
 
 
 @dataclass(frozen=True)
 class GGUFTensor:
-    type_name: str        # GGML's name of its type: F32, F16, BF16, Q8_0, Q4_K, ...
+    type_name: str        # GGML's name of its type: F32, F16, BF16, Q8_0, Q4_K, ... (or F8_E4M3)
     shape: tuple          # in torch's order
     data: torch.Tensor    # its bytes (uint8), a view of the file's mapping
+    scale: float | None = None  # a scaled fp8 weight's per-tensor scale (``scaled_fp8``)
 
     def values(self, dtype=torch.float32) -> torch.Tensor:
-        """The weights, dequantized (or cast) to ``dtype``, where ``data`` lives."""
+        """The weights, dequantized (or cast, and scaled as ComfyUI scales them) to ``dtype``,
+        where ``data`` lives."""
         if self.type_name in PLAIN:
-            return self.data.view(PLAIN[self.type_name]).reshape(self.shape).to(dtype)
+            values = self.data.view(PLAIN[self.type_name]).reshape(self.shape).to(dtype)
+            return values if self.scale is None else values * self.scale_in(dtype)
         return quants.dequantize(self.data, self.type_name, self.shape, dtype)
+
+    def scale_in(self, dtype) -> float:
+        """The scale rounded to ``dtype``: ComfyUI multiplies ``weight.to(dtype) * scale.to(dtype)``,
+        and a tensor times this float rounds the product once, as that does."""
+        return float(torch.tensor(self.scale, dtype=torch.float32).to(dtype))
 
 
 def _field(reader, name):

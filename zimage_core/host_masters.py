@@ -14,12 +14,12 @@ host memory twice. Masters and sources are never written for a weight patch (``s
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import time
 
 import torch
 
 from . import compression
-from .gguf_file import GGUFTensor
 from .host_memory import HostPool
 from .layout import ALIGN, STAGING_BUFFERS, StreamConfig, staging_bytes, staging_chunk
 
@@ -141,7 +141,7 @@ class HostMasters:
             for name, t in self.layer_blocks(i).items():
                 n = t.data.numel()
                 buf[o:o + n].copy_(t.data)
-                blocks[name] = GGUFTensor(t.type_name, t.shape, buf[o:o + n])
+                blocks[name] = dataclasses.replace(t, data=buf[o:o + n])
                 o += _aligned(n)
         except BaseException:  # an interrupt: no half-filled master stays
             self.pool.free(buf)

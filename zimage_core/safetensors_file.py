@@ -187,6 +187,15 @@ class SafetensorsFile:
         dtype or any other (then it is cast)."""
         read_many([(self.stored(key), out)])
 
+    def raw(self, key) -> bytes:
+        """Tensor ``key``'s stored bytes, whatever its dtype (a quant config stored as U8)."""
+        self.check_unchanged()
+        start, stop = self.entries[key]["data_offsets"]
+        buf = bytearray(stop - start)
+        if self._pread_one(memoryview(buf), self._base + start) != len(buf):
+            raise CheckpointError(self.path, f"ends inside {key}: it is truncated.", _FIX_COPY)
+        return bytes(buf)
+
     def advise(self, key, advice=getattr(os, "POSIX_FADV_WILLNEED", None)):
         """Tell the OS about tensor ``key``'s bytes (a no-op where it takes no such hints). The default,
         WILLNEED: start reading them from disk in the background; DONTNEED: drop them from the page
