@@ -121,6 +121,22 @@ def gguf_weights(quant="Q8_0"):
     return path
 
 
+def scaled_fp8_weights(mixed=False):
+    """``transformer_weights()`` written as a scaled fp8 file (``tools.fp8_weights``: ComfyUI's
+    legacy layout, or with ``mixed`` its mixed-precision one), cached beside it."""
+    src = transformer_weights()
+    kind = "mixed" if mixed else "scaled"
+    path = os.path.join(os.path.dirname(src), f"z_image_turbo_fp8_{kind}-{_digest(os.path.join(ROOT, 'tools/fp8_weights.py'))}.safetensors")
+    with _locked(os.path.dirname(src)):
+        if not os.path.isfile(path):
+            from tools.fp8_weights import write_scaled_fp8
+
+            tmp = path + f".tmp-{os.getpid()}.safetensors"
+            write_scaled_fp8(src, tmp, mixed)
+            os.replace(tmp, path)
+    return path
+
+
 def te_vae_weights(python=None, comfy_path=None, te_layers=TE_LAYERS):
     """Qwen3-4B (its first `te_layers` layers) and the Flux AE from ComfyUI's own classes, cached per
     ComfyUI version. The random numbers are drawn on the GPU where there is one (the full text
