@@ -74,14 +74,17 @@ def pixels(client, entry, node):
 
 def run_session(client, jobs, timeout=900):
     """{name: pixel hashes} for ``jobs`` on one server; asserts that the repeat really sampled again."""
-    out = {}
-    for name, wf in jobs:
-        entry = client.run(wf, timeout)
-        cached = dict(entry["status"].get("messages", [])).get("execution_cached", {}).get("nodes", [])
-        sampler = next(k for k, n in wf.items() if n["class_type"] in ("ZImageSampler", "KSampler"))
-        assert sampler not in cached, f"{name}: the sampler's result came from ComfyUI's cache"
-        out[name] = pixels(client, entry, node_of(wf, "SaveImage"))
-    return out
+    return {name: pixels(client, sampled_again(client, wf, timeout, name), node_of(wf, "SaveImage"))
+            for name, wf in jobs}
+
+
+def sampled_again(client, wf, timeout=900, name="the image"):
+    """``wf``'s history entry, asserting that its sampler ran (its result not ComfyUI's cached one)."""
+    entry = client.run(wf, timeout)
+    cached = dict(entry["status"].get("messages", [])).get("execution_cached", {}).get("nodes", [])
+    sampler = next(k for k, n in wf.items() if n["class_type"] in ("ZImageSampler", "KSampler"))
+    assert sampler not in cached, f"{name}: the sampler's result came from ComfyUI's cache"
+    return entry
 
 
 def differences(by_run: dict) -> list:

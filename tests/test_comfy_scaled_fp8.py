@@ -2,14 +2,16 @@
 layout) in the session's real ComfyUI server: the pack's loader streams every layer as its fp8
 bytes and scales them where they land, and its image is ComfyUI's own UNETLoader's image of the
 same file (the official template) to the pixel, as the bf16 file's is (on the CPU both compute in
-fp32 with ComfyUI's dequantization, ``weight.to(dtype) * scale.to(dtype)``)."""
+fp32 with ComfyUI's dequantization, ``weight.to(dtype) * scale.to(dtype)``). With a LoRA through
+stock ``LoraLoaderModelOnly`` too: the pack patches the scaled weights where they land."""
 import os
 
 import pytest
 
 from comfy_env import comfyui_version, needs_comfyui
+from comfy_identity import sampled_again, write_lora
 from comfy_server import scaled_fp8_weights
-from test_comfy_server import PARITY_MAX_DIFF, image_stats, node_of, official_template, pack_workflow
+from test_comfy_server import PARITY_MAX_DIFF, image_stats, lora_workflow, node_of, official_template, pack_workflow
 
 pytestmark = needs_comfyui
 
@@ -20,19 +22,37 @@ def test_a_scaled_fp8_file_makes_comfyuis_image(comfy_server, comfy_base_dir, mi
 
     name = f"z_image_turbo_fp8_{'mixed' if mixed else 'scaled'}.safetensors"
     link = os.path.join(comfy_base_dir, "models", "diffusion_models", name)
+    lora = os.path.join(comfy_base_dir, "models", "loras", "fp8_lora.safetensors")
     os.symlink(scaled_fp8_weights(mixed), link)
+    write_lora(lora, layers=1)
+    streamed = {"vram": "max_resident_layers", "resident_layers": 0}
+    tag = "mixed" if mixed else "scaled"
     try:
         start = len(comfy_server.log_text())
-        wf = pack_workflow(unet=name, prefix=f"fp8_{'mixed' if mixed else 'scaled'}",
-                           loader={"vram": "max_resident_layers", "resident_layers": 0})
-        ours, stats = image_stats(comfy_server.image(comfy_server.run(wf), node_of(wf, "SaveImage")))
+        wf = pack_workflow(unet=name, prefix=f"fp8_{tag}", loader=streamed)
+        ours = comfy_server.image(comfy_server.run(wf), node_of(wf, "SaveImage"))
         log = comfy_server.log_text()[start:]
         assert "loading the transformer from" in log and name in log, log[-3000:]
-        theirs, _ = image_stats(comfy_server.image(comfy_server.run(official_template(unet=name, prefix="fp8_official")), "10"))
+        theirs = comfy_server.image(comfy_server.run(official_template(unet=name, prefix=f"fp8_{tag}_official")), "10")
+        wf = lora_workflow("fp8_lora.safetensors", unet=name, prefix=f"fp8_{tag}_lora", loader=streamed)
+        ours_lora = comfy_server.image(comfy_server.run(wf), node_of(wf, "SaveImage"))
+        wf = official_template(unet=name, prefix=f"fp8_{tag}_official_lora")
+        wf["100"] = {"class_type": "LoraLoaderModelOnly",
+                     "inputs": {"model": ["1", 0], "lora_name": "fp8_lora.safetensors", "strength_model": 1.0}}
+        wf["7"]["inputs"]["model"] = ["100", 0]
+        theirs_lora = comfy_server.image(comfy_server.run(wf), "10")
+        wf = pack_workflow(unet=name, prefix=f"fp8_{tag}_again", loader=streamed)
+        again = comfy_server.image(sampled_again(comfy_server, wf), node_of(wf, "SaveImage"))
     finally:
         os.remove(link)
-    diff = np.abs(ours - theirs)
+        os.remove(lora)
+    (ours, stats), (theirs, _), (ours_lora, _), (theirs_lora, _), (again, _) = map(
+        image_stats, (ours, theirs, ours_lora, theirs_lora, again))
+    diff, diff_lora = np.abs(ours - theirs), np.abs(ours_lora - theirs_lora)
     print(f"\nComfyUI {comfyui_version()}: {name}: pack vs ComfyUI's UNETLoader largest pixel difference "
-          f"{int(diff.max())}, mean {diff.mean():.3f} ({stats})")
+          f"{int(diff.max())}, mean {diff.mean():.3f} ({stats}); with a LoRA {int(diff_lora.max())}, mean "
+          f"{diff_lora.mean():.3f}; the LoRA moved the image by up to {int(np.abs(ours_lora - ours).max())}")
     assert theirs.std() > 1.0, "ComfyUI's image is flat: the comparison would prove nothing"
-    assert int(diff.max()) <= PARITY_MAX_DIFF
+    assert int(diff.max()) <= PARITY_MAX_DIFF and int(diff_lora.max()) <= PARITY_MAX_DIFF
+    assert np.abs(ours_lora - ours).max() > 0  # the LoRA did something
+    assert np.array_equal(again, ours)  # and is gone once removed
