@@ -3,7 +3,9 @@ layout) in the session's real ComfyUI server: the pack's loader streams every la
 bytes and scales them where they land, and its image is ComfyUI's own UNETLoader's image of the
 same file (the official template) to the pixel, as the bf16 file's is (on the CPU both compute in
 fp32 with ComfyUI's dequantization, ``weight.to(dtype) * scale.to(dtype)``). With a LoRA through
-stock ``LoraLoaderModelOnly`` too: the pack patches the scaled weights where they land."""
+stock ``LoraLoaderModelOnly``, the pack patches the scaled weights where they land and keeps the sum
+in the compute dtype, where ComfyUI rounds it back to fp8 (stochastically, seeded by the key): the
+images differ by that rounding, far less than the LoRA moves them."""
 import os
 
 import pytest
@@ -14,6 +16,7 @@ from comfy_server import scaled_fp8_weights
 from test_comfy_server import PARITY_MAX_DIFF, image_stats, lora_workflow, node_of, official_template, pack_workflow
 
 pytestmark = needs_comfyui
+STRENGTH = 4.0  # the test LoRA (one layer's attention output) moves the image clearly at this strength
 
 
 @pytest.mark.parametrize("mixed", [False, True], ids=["scaled_fp8", "mixed"])
@@ -34,11 +37,11 @@ def test_a_scaled_fp8_file_makes_comfyuis_image(comfy_server, comfy_base_dir, mi
         log = comfy_server.log_text()[start:]
         assert "loading the transformer from" in log and name in log, log[-3000:]
         theirs = comfy_server.image(comfy_server.run(official_template(unet=name, prefix=f"fp8_{tag}_official")), "10")
-        wf = lora_workflow("fp8_lora.safetensors", unet=name, prefix=f"fp8_{tag}_lora", loader=streamed)
+        wf = lora_workflow("fp8_lora.safetensors", STRENGTH, unet=name, prefix=f"fp8_{tag}_lora", loader=streamed)
         ours_lora = comfy_server.image(comfy_server.run(wf), node_of(wf, "SaveImage"))
         wf = official_template(unet=name, prefix=f"fp8_{tag}_official_lora")
         wf["100"] = {"class_type": "LoraLoaderModelOnly",
-                     "inputs": {"model": ["1", 0], "lora_name": "fp8_lora.safetensors", "strength_model": 1.0}}
+                     "inputs": {"model": ["1", 0], "lora_name": "fp8_lora.safetensors", "strength_model": STRENGTH}}
         wf["7"]["inputs"]["model"] = ["100", 0]
         theirs_lora = comfy_server.image(comfy_server.run(wf), "10")
         wf = pack_workflow(unet=name, prefix=f"fp8_{tag}_again", loader=streamed)
@@ -48,11 +51,11 @@ def test_a_scaled_fp8_file_makes_comfyuis_image(comfy_server, comfy_base_dir, mi
         os.remove(lora)
     (ours, stats), (theirs, _), (ours_lora, _), (theirs_lora, _), (again, _) = map(
         image_stats, (ours, theirs, ours_lora, theirs_lora, again))
-    diff, diff_lora = np.abs(ours - theirs), np.abs(ours_lora - theirs_lora)
+    diff, diff_lora, moved = np.abs(ours - theirs), np.abs(ours_lora - theirs_lora), np.abs(ours_lora - ours)
     print(f"\nComfyUI {comfyui_version()}: {name}: pack vs ComfyUI's UNETLoader largest pixel difference "
           f"{int(diff.max())}, mean {diff.mean():.3f} ({stats}); with a LoRA {int(diff_lora.max())}, mean "
-          f"{diff_lora.mean():.3f}; the LoRA moved the image by up to {int(np.abs(ours_lora - ours).max())}")
+          f"{diff_lora.mean():.3f}; the LoRA moved the image by up to {int(moved.max())}, mean {moved.mean():.3f}")
     assert theirs.std() > 1.0, "ComfyUI's image is flat: the comparison would prove nothing"
-    assert int(diff.max()) <= PARITY_MAX_DIFF and int(diff_lora.max()) <= PARITY_MAX_DIFF
-    assert np.abs(ours_lora - ours).max() > 0  # the LoRA did something
-    assert np.array_equal(again, ours)  # and is gone once removed
+    assert int(diff.max()) <= PARITY_MAX_DIFF
+    assert diff_lora.mean() < 0.25 * moved.mean()  # ComfyUI's fp8 rounding of the sum, not another LoRA
+    assert np.array_equal(again, ours)  # and the LoRA is gone once removed
