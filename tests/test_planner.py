@@ -377,3 +377,20 @@ def test_a_quantized_layers_dequantization_counts_in_its_simulated_step():
                              stored=layer // 4, decode=decode)
     assert at(0.0).fits and at(2.0).fits
     assert at(2.0).resident_layers >= at(0.0).resident_layers  # dear dequantization: keep more resident
+
+
+def test_a_plan_says_its_simulated_step_in_seconds():
+    """With a layer's upload time the plan carries its simulated step in seconds (the floor a server
+    benchmark holds an image's steps to); a forced split is not simulated, and says nothing."""
+    from zimage_core.simulation import block_costs, step_with_pinned
+    free = int(5.5 * GiB)
+    p = plan(FULL, free, 1024, 1024, compute_copy_ratio=0.5, upload_s=0.004)
+    assert p.streamed_layers and p.step_s is not None
+    assert plan(FULL, free, 1024, 1024, compute_copy_ratio=0.5, upload_s=0.008).step_s == pytest.approx(2 * p.step_s)
+    assert plan(FULL, free, 1024, 1024, compute_copy_ratio=0.5).step_s is None
+    assert plan(FULL, free, 1024, 1024, limits=Limits(resident=3), compute_copy_ratio=0.5, upload_s=0.004).step_s is None
+    # the simulation the split was chosen by, in seconds: at least every streamed layer's upload
+    costs = [c * 0.5 for c in block_costs(FULL, 1024, 1024, 1, p.text_tokens)]
+    assert p.step_s == pytest.approx(0.004 * step_with_pinned(FULL.n_blocks, p.resident_layers, p.slots, costs,
+                                                              0.125, p.pinned_layers, 1.0))
+    assert p.step_s >= 0.004 * p.streamed_layers

@@ -23,8 +23,9 @@ new prompt text each, so the text encoder runs every time), stop the server, sto
 Time per image is the executor's own, from the history entry's execution_start to
 execution_success. Each server's log is kept, every line stamped with the seconds since the server
 started; its path is printed. With --server-arg=--verbose --server-arg=DEBUG each image's row also
-says where the pack's time went (encode, sample, decode, split set) and how much it evicted to make
-room for the other models.
+says where the pack's time went (encode, sample, decode, split set), how much it evicted to make
+room for the other models, and the image's floor: its steps at the bound the planner simulated for
+its split, plus its encode and decode, and the image's seconds over that floor.
 
 Simulated machine:
   --card GIB     leave GIB of GPU memory free (tools/ballast.py, needs torch+CUDA in --python);
@@ -145,12 +146,17 @@ def one_server(a, base, pipeline, card, tag):
             anon, file = rss_gib(server.proc.pid)
             row = dict(image=i + 1, label=step["label"] if step else "", seconds=round(sec, 3),
                        rss_anon_gib=round(anon, 2), rss_file_gib=round(file, 2), **server.new_log())
+            if {"step_bound_s", "encode_s", "decode_s"} <= set(row):
+                # the image's floor: its steps at their planned bound, its encode and decode as they took
+                row["floor_s"] = round(a.steps * row["step_bound_s"] + row["encode_s"] + row["decode_s"], 3)
             rec["images"].append(row)
             print(f"{pipeline:8} card {card:>5} image {i + 1}{' ' + row['label'] if row['label'] else ''}: {sec:7.2f} s  RSS {anon:5.1f} + {file:5.1f} GiB  "
                   f"pins {row['pin_calls']} ({row['pinned_gib']:.1f} GiB)  loads: Z-Image {row['zimage_loads']}, "
                   f"ComfyUI {row['comfy_requested']} requested"
                   + "".join(f"  {k[:-2]} {row[k]:.2f} s" for k in PHASES if k in row)
-                  + (f"  evicted {row['evicted_gib']:.2f} GiB" if row["evicted_gib"] else ""), flush=True)
+                  + (f"  evicted {row['evicted_gib']:.2f} GiB" if row["evicted_gib"] else "")
+                  + (f"  floor {row['floor_s']:.2f} s ({sec / row['floor_s']:.2f}x)" if "floor_s" in row else ""),
+                  flush=True)
         return rec
     finally:
         stop(server.proc if server else None)

@@ -23,6 +23,8 @@ PHASES = {"encode_s": re.compile(r"Z-Image: prompt encoded in ([0-9.]+) s"),
           "sample_s": re.compile(r"Z-Image: sampled \d+ steps in ([0-9.]+) s"),
           "step_s": re.compile(r"Z-Image: sampled .* then ([0-9.]+) s a step"),
           "split_s": re.compile(r"Z-Image: split set in ([0-9.]+) s")}
+# the split's simulated step (the planner's bound for it), the last one set for the image
+BOUND_RE = re.compile(r"Z-Image: split set in .*; its simulated step ([0-9.]+) s")
 EVICT_RE = re.compile(r"Z-Image: made room for another model: ([0-9.]+) GiB freed")
 COMFY_LOADS = {"requested": "Requested to load", "completely": "loaded completely", "partially": "loaded partially"}
 GIB = 2**30
@@ -159,6 +161,9 @@ class Server:
                    evicted_gib=round(sum(float(g) for g in EVICT_RE.findall(text)), 2))
         out.update({k: round(sum(float(g) for g in r.findall(text)), 3) for k, r in PHASES.items() if r.search(text)})
         out.update({f"comfy_{k}": text.count(v) for k, v in COMFY_LOADS.items()})
+        bounds = BOUND_RE.findall(text)
+        if bounds:
+            out["step_bound_s"] = float(bounds[-1])
         return out
 
 

@@ -98,6 +98,7 @@ class Plan:
     master_bytes: int = 0          # host bytes of one pinned master (less than layer_bytes where compressed)
     staging_bytes: int = 0         # host bytes of the staging ring the uploads from the file go through
     text_tokens: int = TEXT_TOKENS  # the prompt's tokens it was planned for (``text_tokens_to_plan``)
+    step_s: float | None = None    # its simulated step in seconds, where the device's balance was measured
     masters: frozenset = field(default_factory=frozenset)  # streamed layers that get a master where the RAM has room
     pinned: frozenset = field(default_factory=frozenset)   # of those, the ones the host room holds
 
@@ -189,7 +190,7 @@ def _within(p: Plan, limits: Limits) -> Plan:
     streamed = n - r
     slots = 0 if not streamed else max(p.slots, 2)
     device = p.fixed_bytes + p.activation_bytes + (r + slots) * p.layer_bytes if not p.on_cpu else p.device_bytes
-    return replace(p, resident_layers=r, streamed_layers=streamed, slots=slots, device_bytes=device,
+    return replace(p, resident_layers=r, streamed_layers=streamed, slots=slots, device_bytes=device, step_s=None,
                    **_host_sets(n, r, streamed, _pinned_count(streamed, limits.host_room, p.master_bytes)))
 
 
@@ -263,7 +264,8 @@ def stack_resident(n_layers: int, layer_bytes: int, free_bytes: int, cap: int | 
 def plan(cfg: ZImageConfig, free_bytes: int, width: int, height: int, batch: int = 1,
          limits: Limits = Limits(), storage=torch.bfloat16, dtype=torch.bfloat16,
          compute_copy_ratio: float | None = None, file_copy: float | None = None, compress: str = "off",
-         decode: float = 0.0, text_tokens: int = TEXT_TOKENS, stored: int | None = None) -> Plan:
+         decode: float = 0.0, text_tokens: int = TEXT_TOKENS, stored: int | None = None,
+         upload_s: float | None = None) -> Plan:
     """The split for ``free_bytes`` of device memory under ``limits``. With ``file_copy`` (a layer's
     upload from the page cache through the staging ring, over one from a pinned master) only the
     streamed layers whose masters buy time are pinned: pinned memory is RAM that nothing else can
@@ -276,9 +278,10 @@ def plan(cfg: ZImageConfig, free_bytes: int, width: int, height: int, batch: int
     behind the compute anyway, the decode only adds to it (``Plan.compressed``). ``stored``: a
     layer's bytes as its file stores them, where its masters keep them so and uploads dequantize
     them on the device (a GGUF's blocks; ``decode``: that dequantization); then nothing is
-    compressed."""
+    compressed. ``upload_s``: a layer's plain upload in seconds, the unit of the simulated step
+    (``Plan.step_s``; a split ``limits`` force is not simulated)."""
     args = (cfg, free_bytes - limits.leave_free, width, height, batch, storage, dtype, compute_copy_ratio,
-            limits.host_room, file_copy, text_tokens)
+            limits.host_room, file_copy, text_tokens, upload_s)
     if stored is not None:
         return _within(_plan(*args, stored=stored, decode=decode)[0], limits)
     return _within(_with_compression(args, compress, decode, storage), limits)
@@ -299,7 +302,7 @@ def _with_compression(args, compress, decode, storage) -> Plan:
 
 
 def _plan(cfg, free_bytes, width, height, batch, storage, dtype, compute_copy_ratio, host_room, file_copy,
-          text_tokens, compress=False, decode=0.0, stored=None) -> tuple:
+          text_tokens, upload_s, compress=False, decode=0.0, stored=None) -> tuple:
     """(``plan``'s split with or without compressed masters, its simulated step in plain uploads
     of a layer, or None where the compute/copy ratio is not known)."""
     packed = PackLayout(cfg, storage)
@@ -353,4 +356,5 @@ def _plan(cfg, free_bytes, width, height, batch, storage, dtype, compute_copy_ra
                 largest_fitting=None if fits else _largest_fitting(width, height, batch,
                                                                    lambda w, h: need(w, h) <= free_bytes),
                 master_bytes=master, staging_bytes=staging_bytes(packed), text_tokens=text_tokens,
+                step_s=step * upload_s if step is not None and upload_s else None,
                 **_host_sets(n, r, needed, pinned)), step

@@ -50,7 +50,7 @@ class SplitPlanner:
         ratio, file_copy, upload_s = self.calibration.ratios(tokens, make_room)
         limits = self.limits(resident)  # the measurement may have evicted layers and made their masters
         split = lambda **kw: planner.plan(self.cfg, free, width, height, batch, limits, compute_copy_ratio=ratio,
-                                          file_copy=file_copy, **sizes, **kw)
+                                          file_copy=file_copy, upload_s=upload_s, **sizes, **kw)
         if mode == "auto" and ratio is not None and not split(compress="auto", decode=0.0).compressed:
             mode = "off"  # not even a decode that took no time would shorten a step: no check to wait for
         if mode != "off" and not (self.device.type == "cuda" and compression.decodes_on(self.device)):

@@ -212,8 +212,9 @@ class ZImageTransformer(torch.nn.Module):
         start, before = time.perf_counter(), self.streamer.n_resident
         self._set_split(p.resident_layers, p.slots, p.masters, p.compressed)
         # the free memory it was planned with: a plan that changes from one image to the next says why
-        log.debug("Z-Image: split set in %.2f s (%d -> %d resident, %.3f GiB free)", time.perf_counter() - start,
-                  before, self.streamer.n_resident, p.free_bytes / planner.GiB)
+        log.debug("Z-Image: split set in %.2f s (%d -> %d resident, %.3f GiB free%s)", time.perf_counter() - start,
+                  before, self.streamer.n_resident, p.free_bytes / planner.GiB,
+                  "" if p.step_s is None else f"; its simulated step {p.step_s:.4f} s")
         if self.streamer.cuda:
             # what the host budget keeps for this model however the text encoder's pools come first
             host_memory.BUDGET.claim("transformer", p.host_bytes)
