@@ -174,7 +174,10 @@ def summarize(rec):
                 pin_calls_after_first=sum(r["pin_calls"] for r in warm),
                 zimage_loads_after_first=sum(r["zimage_loads"] for r in warm),
                 comfy_requested_after_first=sum(r["comfy_requested"] for r in warm),
-                totals={k: sum(r[k] for r in im) for k in im[0] if k not in ("image", "label", "seconds") and "rss" not in k})
+                warm_over_floor_median=(statistics.median(r["seconds"] / r["floor_s"] for r in warm if "floor_s" in r)
+                                        if any("floor_s" in r for r in warm) else None),
+                totals={k: round(sum(r.get(k, 0) for r in im), 3) for k in dict.fromkeys(k for r in im for k in r)
+                        if k not in ("image", "label", "seconds", "step_bound_s", "floor_s") and "rss" not in k})
 
 
 def report(runs):

@@ -3,8 +3,8 @@ its "scaled fp8" exports (a ``scaled_fp8`` marker tensor, ``<layer>.scale_weight
 mixed-precision quant format (each quantized layer's format in ``<layer>.comfy_quant`` or the
 ``_quantization_metadata`` header entry, ``<layer>.weight_scale``). A weight's value is ComfyUI's
 dequantization, ``weight.to(dtype) * scale.to(dtype)``. The file takes a GGUF's part in the pack
-(``GGUFFile``'s face): its layers' matrices stream as their fp8 bytes and are scaled where they
-land (``GGUFTensor.scale``), a quarter of the bf16 bytes' time on the bus saved twice over.
+(``GGUFFile``'s face): its layers' matrices stay fp8 in host memory and on the bus (half a bf16
+layer's bytes) and are scaled where they land (``GGUFTensor.scale``).
 
 Activations stay in the compute dtype: ``input_scale`` / ``scale_input`` (fp8 matrix products on
 cards that have them, in ComfyUI) are not used. Other per-layer formats (int8, nvfp4, mxfp8, ...)
