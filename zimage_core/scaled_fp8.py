@@ -16,7 +16,7 @@ import json
 import torch
 
 from .errors import CheckpointError
-from .gguf_file import GGUFTensor
+from .gguf_file import GGUFTensor, StoredGGUF
 from .safetensors_file import SafetensorsFile
 
 FORMATS = ("float8_e4m3fn",)  # the per-layer formats read
@@ -95,8 +95,7 @@ class ScaledFile:
     def mapped(self, key):
         return None  # the fixed part is read into tensors of its own (scaled where scaled)
 
-    def stored(self, key):
-        from .gguf_file import StoredGGUF
+    def stored(self, key) -> StoredGGUF:
         return StoredGGUF(self, key)
 
     def close(self):
