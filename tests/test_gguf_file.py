@@ -131,3 +131,22 @@ def test_a_gguf_changed_under_a_loaded_model_is_refused(tmp_path, tiny_file):
     with pytest.raises(FileChanged, match="live.gguf: changed on disk"):
         m(*inputs(TINY))
     m.release()
+
+
+def test_a_gguf_with_a_mismatched_shape_is_refused_and_leaves_nothing(tmp_path, tiny_file):
+    """One matrix of another model's size: the loader names it and its shapes, in one line, and no
+    host memory stays claimed."""
+    from zimage_core import host_memory
+    ck = Checkpoint(tiny_file)
+    tensors = {k: (ck.tensor(k, dtype=torch.float32).numpy(), None) for k in ck.keys()}
+    ck.close()
+    key = "layers.1.feed_forward.w2.weight"
+    rows, cols = tensors[key][0].shape
+    tensors[key] = (np.zeros((rows, cols + 32), np.float32), None)
+    _write(tmp_path / "odd.gguf", "lumina2", tensors)
+    before = host_memory.live_bytes()
+    with pytest.raises(CheckpointError) as e:
+        ZImageTransformer.load(str(tmp_path / "odd.gguf"), device="cpu", dtype="fp32")
+    msg = str(e.value)
+    assert f"has {key} with shape [{rows}, {cols + 32}], expected [{rows}, {cols}]" in msg and "\n" not in msg
+    assert host_memory.live_bytes() == before
