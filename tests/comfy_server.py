@@ -107,34 +107,32 @@ def transformer_weights(full=False):
     return path
 
 
-def gguf_weights(quant="Q8_0"):
-    """``transformer_weights()`` written as a GGUF (``tools.gguf_weights``), cached beside it."""
+def _beside_transformer(stem, ext, writer, write):
+    """``transformer_weights()`` written by ``write(src, out)`` (from the tools module ``writer``) as
+    ``stem``, cached beside it under the writer's digest."""
     src = transformer_weights()
-    path = os.path.join(os.path.dirname(src), f"z_image_turbo-{quant}-{_digest(os.path.join(ROOT, 'tools/gguf_weights.py'))}.gguf")
+    path = os.path.join(os.path.dirname(src), f"{stem}-{_digest(os.path.join(ROOT, 'tools', writer + '.py'))}{ext}")
     with _locked(os.path.dirname(src)):
         if not os.path.isfile(path):
-            from tools.gguf_weights import write_gguf
-
-            tmp = path + f".tmp-{os.getpid()}.gguf"
-            write_gguf(src, tmp, quant)
+            tmp = path + f".tmp-{os.getpid()}{ext}"
+            write(src, tmp)
             os.replace(tmp, path)
     return path
+
+
+def gguf_weights(quant="Q8_0"):
+    """``transformer_weights()`` written as a GGUF (``tools.gguf_weights``), cached beside it."""
+    from tools.gguf_weights import write_gguf
+    return _beside_transformer(f"z_image_turbo-{quant}", ".gguf", "gguf_weights",
+                               lambda src, out: write_gguf(src, out, quant))
 
 
 def scaled_fp8_weights(mixed=False):
     """``transformer_weights()`` written as a scaled fp8 file (``tools.fp8_weights``: ComfyUI's
     legacy layout, or with ``mixed`` its mixed-precision one), cached beside it."""
-    src = transformer_weights()
-    kind = "mixed" if mixed else "scaled"
-    path = os.path.join(os.path.dirname(src), f"z_image_turbo_fp8_{kind}-{_digest(os.path.join(ROOT, 'tools/fp8_weights.py'))}.safetensors")
-    with _locked(os.path.dirname(src)):
-        if not os.path.isfile(path):
-            from tools.fp8_weights import write_scaled_fp8
-
-            tmp = path + f".tmp-{os.getpid()}.safetensors"
-            write_scaled_fp8(src, tmp, mixed)
-            os.replace(tmp, path)
-    return path
+    from tools.fp8_weights import write_scaled_fp8
+    return _beside_transformer(f"z_image_turbo_fp8_{'mixed' if mixed else 'scaled'}", ".safetensors", "fp8_weights",
+                               lambda src, out: write_scaled_fp8(src, out, mixed))
 
 
 def te_vae_weights(python=None, comfy_path=None, te_layers=TE_LAYERS):
