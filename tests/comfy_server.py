@@ -107,32 +107,20 @@ def transformer_weights(full=False):
     return path
 
 
-def _beside_transformer(stem, ext, writer, write):
-    """``transformer_weights()`` written by ``write(src, out)`` (from the tools module ``writer``) as
-    ``stem``, cached beside it under the writer's digest."""
-    src = transformer_weights()
-    path = os.path.join(os.path.dirname(src), f"{stem}-{_digest(os.path.join(ROOT, 'tools', writer + '.py'))}{ext}")
-    with _locked(os.path.dirname(src)):
-        if not os.path.isfile(path):
-            tmp = path + f".tmp-{os.getpid()}{ext}"
-            write(src, tmp)
-            os.replace(tmp, path)
-    return path
-
-
-def gguf_weights(quant="Q8_0"):
-    """``transformer_weights()`` written as a GGUF (``tools.gguf_weights``), cached beside it."""
-    from tools.gguf_weights import write_gguf
-    return _beside_transformer(f"z_image_turbo-{quant}", ".gguf", "gguf_weights",
-                               lambda src, out: write_gguf(src, out, quant))
-
-
-def scaled_fp8_weights(mixed=False):
-    """``transformer_weights()`` written as a scaled fp8 file (``tools.fp8_weights``: ComfyUI's
-    legacy layout, or with ``mixed`` its mixed-precision one), cached beside it."""
-    from tools.fp8_weights import write_scaled_fp8
-    return _beside_transformer(f"z_image_turbo_fp8_{'mixed' if mixed else 'scaled'}", ".safetensors", "fp8_weights",
-                               lambda src, out: write_scaled_fp8(src, out, mixed))
+@contextlib.contextmanager
+def model_file(client, base_dir, name, write):
+    """``models/diffusion_models/<name>`` written by ``write(path)`` for the block's duration, then
+    removed and ComfyUI told to let go of it (a file it still maps keeps its disk): the derived
+    transformers (GGUF, scaled fp8, a dequantized reference) take a gigabyte or more each, written
+    in seconds, and a CI machine's disk may hold only a few of them at once."""
+    path = os.path.join(base_dir, "models", "diffusion_models", name)
+    write(path)
+    try:
+        yield name
+    finally:
+        os.remove(path)
+        status, raw, _ = client.request("POST", "/free", {"unload_models": True, "free_memory": True})
+        assert status == 200, raw
 
 
 def te_vae_weights(python=None, comfy_path=None, te_layers=TE_LAYERS):

@@ -12,7 +12,7 @@ import pytest
 
 from comfy_env import comfyui_version, needs_comfyui
 from comfy_identity import write_lora
-from comfy_server import scaled_fp8_weights
+from comfy_server import model_file, transformer_weights
 from test_comfy_server import PARITY_MAX_DIFF, image_stats, lora_workflow, node_of, official_template, pack_workflow
 
 pytestmark = needs_comfyui
@@ -25,30 +25,30 @@ def test_a_scaled_fp8_file_makes_comfyuis_image(comfy_server, comfy_base_dir, mi
     same for both: four more images on a CPU are a minute of the suite)."""
     import numpy as np
 
+    from tools.fp8_weights import write_scaled_fp8
+
     tag = "mixed" if mixed else "scaled"
-    name = f"z_image_turbo_fp8_{tag}.safetensors"
-    link = os.path.join(comfy_base_dir, "models", "diffusion_models", name)
     lora = os.path.join(comfy_base_dir, "models", "loras", "fp8_lora.safetensors")
-    os.symlink(scaled_fp8_weights(mixed), link)
     write_lora(lora, layers=1)
     streamed = {"vram": "max_resident_layers", "resident_layers": 0}
     try:
-        start = len(comfy_server.log_text())
-        wf = pack_workflow(unet=name, prefix=f"fp8_{tag}", loader=streamed)
-        ours = image_stats(comfy_server.image(comfy_server.run(wf), node_of(wf, "SaveImage")))
-        log = comfy_server.log_text()[start:]
-        assert "loading the transformer from" in log and name in log, log[-3000:]
-        theirs = image_stats(comfy_server.image(comfy_server.run(official_template(unet=name, prefix=f"fp8_{tag}_official")), "10"))
-        if mixed:
-            wf = lora_workflow("fp8_lora.safetensors", STRENGTH, unet=name, prefix=f"fp8_{tag}_lora", loader=streamed)
-            ours_lora = image_stats(comfy_server.image(comfy_server.run(wf), node_of(wf, "SaveImage")))
-            wf = official_template(unet=name, prefix=f"fp8_{tag}_official_lora")
-            wf["100"] = {"class_type": "LoraLoaderModelOnly",
-                         "inputs": {"model": ["1", 0], "lora_name": "fp8_lora.safetensors", "strength_model": STRENGTH}}
-            wf["7"]["inputs"]["model"] = ["100", 0]
-            theirs_lora = image_stats(comfy_server.image(comfy_server.run(wf), "10"))
+        with model_file(comfy_server, comfy_base_dir, f"z_image_turbo_fp8_{tag}.safetensors",
+                        lambda out: write_scaled_fp8(transformer_weights(), out, mixed)) as name:
+            start = len(comfy_server.log_text())
+            wf = pack_workflow(unet=name, prefix=f"fp8_{tag}", loader=streamed)
+            ours = image_stats(comfy_server.image(comfy_server.run(wf), node_of(wf, "SaveImage")))
+            log = comfy_server.log_text()[start:]
+            assert "loading the transformer from" in log and name in log, log[-3000:]
+            theirs = image_stats(comfy_server.image(comfy_server.run(official_template(unet=name, prefix=f"fp8_{tag}_official")), "10"))
+            if mixed:
+                wf = lora_workflow("fp8_lora.safetensors", STRENGTH, unet=name, prefix=f"fp8_{tag}_lora", loader=streamed)
+                ours_lora = image_stats(comfy_server.image(comfy_server.run(wf), node_of(wf, "SaveImage")))
+                wf = official_template(unet=name, prefix=f"fp8_{tag}_official_lora")
+                wf["100"] = {"class_type": "LoraLoaderModelOnly",
+                             "inputs": {"model": ["1", 0], "lora_name": "fp8_lora.safetensors", "strength_model": STRENGTH}}
+                wf["7"]["inputs"]["model"] = ["100", 0]
+                theirs_lora = image_stats(comfy_server.image(comfy_server.run(wf), "10"))
     finally:
-        os.remove(link)
         os.remove(lora)
     diff = np.abs(ours[0] - theirs[0])
     print(f"\nComfyUI {comfyui_version()}: {name}: pack vs ComfyUI's UNETLoader largest pixel difference "
