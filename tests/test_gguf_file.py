@@ -150,3 +150,32 @@ def test_a_gguf_with_a_mismatched_shape_is_refused_and_leaves_nothing(tmp_path, 
     msg = str(e.value)
     assert f"has {key} with shape [{rows}, {cols + 32}], expected [{rows}, {cols}]" in msg and "\n" not in msg
     assert host_memory.live_bytes() == before
+
+
+def test_blocks_kept_on_the_device_compute_what_streamed_blocks_compute(tmp_path, tiny_file):
+    """Layers whose blocks the device keeps (``HostMasters.keep_on_device``; the CPU stands in for
+    the device) are dequantized into their slot as they come: the output is the streamed one to the
+    bit, no host master is made for them, the device counts their bytes, and a smaller split drops
+    them."""
+    path = str(write_gguf(tiny_file, tmp_path / "tiny.gguf", "Q8_0"))
+    x, t, ctx = inputs(TINY)
+    m = ZImageTransformer.load(path, device="cpu", dtype="fp32")
+    m.prepare(64, 48, resident_layers=0)
+    expected = m(x, t, ctx)
+    m.release()
+    m = ZImageTransformer.load(path, device="cpu", dtype="fp32")
+    s, n = m.streamer, TINY.n_blocks
+    m.prepare(64, 48, resident_layers=0)
+    s.configure(1, 2, n - 1)
+    kept = [i for i in range(n) if s.masters.on_device[i] is not None]
+    assert len(kept) == n - 1 and s.split == (1, 2, n - 1) and s.order[0] not in kept
+    assert s.device_bytes == 3 * s.layout.nbytes + sum(s.masters.stored_bytes[i] for i in kept)
+    assert s.masters.device_bytes < 0.3 * (n - 1) * s.layout.nbytes  # Q8_0's blocks, not fp32 values
+    for _ in range(2):
+        assert torch.equal(m(x, t, ctx), expected)
+    assert all(s.masters.host[i] is None for i in kept)  # nothing of theirs in host memory
+    s.configure(1, 2, 1)
+    assert s.split == (1, 2, 1) and s.masters.device_bytes == s.masters.stored_bytes[s.order[1]]
+    assert torch.equal(m(x, t, ctx), expected)
+    m.release()
+    assert s.masters.blocks_on_device == 0

@@ -229,7 +229,7 @@ def test_the_device_dequantizes_as_the_cpu_does(type_name):
 def test_a_gguf_streamed_on_cuda_computes_what_its_dequantized_weights_compute(tmp_path, tiny_file, quant):
     """A GGUF's layers streamed as their blocks and dequantized on the device (``DeviceDecode``) give,
     at every split, the image of the same transformer loaded from the gguf package's dequantized
-    weights, to the bit."""
+    weights, to the bit; so do layers whose blocks the device keeps."""
     from safetensors.torch import save_file
     from test_gguf_file import reference
     from tools.gguf_weights import write_gguf
@@ -251,6 +251,13 @@ def test_a_gguf_streamed_on_cuda_computes_what_its_dequantized_weights_compute(t
             assert torch.equal(euler_sample(m, x.cuda(), ctx.cuda(), steps=2), expected), (r, slots)
     masters = [h for h in m.streamer.masters.host if h is not None]
     assert masters and all(h.dtype == torch.uint8 and h.is_pinned() for h in masters)  # blocks, pinned
+    # blocks kept on the device, dequantized there into the slots with nothing crossing: the same bits
+    for r, blocks in ((0, TINY.n_blocks), (1, TINY.n_blocks - 1), (1, 1)):
+        m.streamer.configure(r, 2, blocks)
+        kept = m.streamer.masters.on_device
+        assert sum(b is not None for b in kept) == blocks
+        assert all(t.data.is_cuda for b in kept if b is not None for t in b.values())
+        assert torch.equal(euler_sample(m, x.cuda(), ctx.cuda(), steps=2), expected), (r, blocks)
     m.release()
     assert host_memory.live_bytes() == before
 

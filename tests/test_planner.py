@@ -11,7 +11,7 @@ import torch
 from conftest import TINY
 from zimage_core.config import FULL
 from zimage_core.layout import streamed_in_order
-from zimage_core.planner import Limits, host_room, plan
+from zimage_core.planner import Limits, host_room, one_layer_less, plan, room_for_another
 from zimage_core.simulation import simulate_step
 
 GiB = 1 << 30
@@ -351,9 +351,10 @@ def test_layers_stored_quantized_are_planned_at_their_stored_bytes():
     device keeps room for the decode's buffers."""
     layer = plan(FULL, int(5.5 * GiB), 1024, 1024).layer_bytes
     room = Limits(host_room=5 * layer)
-    plain = plan(FULL, int(5.5 * GiB), 1024, 1024, limits=room)
-    q4 = plan(FULL, int(5.5 * GiB), 1024, 1024, limits=room, stored=layer // 4)
-    assert plain.pinned_layers == 5 and q4.pinned_layers == min(q4.streamed_layers, 20)
+    plain = plan(FULL, int(3.5 * GiB), 1024, 1024, limits=room)
+    q4 = plan(FULL, int(3.5 * GiB), 1024, 1024, limits=room, stored=layer // 4)
+    crossing = q4.streamed_layers - q4.block_layers  # the others' blocks stay on the device
+    assert plain.pinned_layers == 5 and crossing > 5 and q4.pinned_layers == min(crossing, 20)
     assert q4.master_bytes == layer // 4 and q4.pinned_host_bytes == q4.pinned_layers * layer // 4
     from zimage_core.device_memory import CODEC_BYTES
     assert q4.needed_bytes == plan(FULL, int(5.5 * GiB), 1024, 1024).needed_bytes + CODEC_BYTES
@@ -394,3 +395,47 @@ def test_a_plan_says_its_simulated_step_in_seconds():
     assert p.step_s == pytest.approx(0.004 * step_with_pinned(FULL.n_blocks, p.resident_layers, p.slots, costs,
                                                               0.125, p.pinned_layers, 1.0))
     assert p.step_s >= 0.004 * p.streamed_layers
+
+
+def test_a_quantized_file_keeps_its_blocks_on_a_card_too_small_for_its_layers():
+    """A layer's blocks take a third (Q4_K) to a half (Q8_0) of its bf16 bytes and spare the bus
+    as a resident layer does: a Q4_K_M file on a 6 GB card keeps every layer on the device (the
+    resident ones dequantized, the others as blocks), nothing crosses and no host master is made;
+    Q8_0 on a 4 GB card keeps the blocks the slots leave room for and streams the rest. The plan's
+    device bytes count the blocks, and its line says where the layers are."""
+    layer = plan(FULL, int(5.5 * GiB), 1024, 1024).layer_bytes
+    q4 = plan(FULL, int(5.5 * GiB), 1024, 1024, stored=int(layer * 0.28))
+    assert q4.fits and q4.resident_layers + q4.block_layers == FULL.n_blocks
+    assert not q4.masters and not q4.pinned and q4.file_layers == 0 and q4.device_bytes <= q4.free_bytes
+    assert "more as their quantized blocks, 0 streamed" in q4.summary()
+    q8 = plan(FULL, int(3.5 * GiB), 1024, 1024, stored=int(layer * 0.53))
+    assert 0 < q8.block_layers < q8.streamed_layers and q8.device_bytes <= q8.free_bytes
+    assert q8.blocks_on_device.isdisjoint(q8.masters) and len(q8.masters) == q8.streamed_layers - q8.block_layers
+    assert q8.device_bytes == (q8.fixed_bytes + q8.activation_bytes + (q8.resident_layers + q8.slots) * layer
+                               + q8.block_layers * q8.master_bytes)
+    # measured: the split is simulated with its kept blocks (no copy, a decode each), and a card
+    # whose bus is the bottleneck keeps blocks rather than fewer dequantized layers
+    from zimage_core.simulation import block_costs, step_with_pinned
+    stored, decode, ratio = int(layer * 0.28), 0.05, 0.2
+    bus = plan(FULL, int(5.5 * GiB), 1024, 1024, compute_copy_ratio=ratio, file_copy=1.2, stored=stored,
+               decode=decode, upload_s=0.004)
+    costs = [c * ratio for c in block_costs(FULL, 1024, 1024, 1, bus.text_tokens)]
+    assert bus.block_layers > 0
+    assert bus.step_s == pytest.approx(0.004 * step_with_pinned(
+        FULL.n_blocks, bus.resident_layers, bus.slots, costs, ratio / 4, bus.pinned_layers, 1.2, stored / layer,
+        decode, True, bus.block_layers))
+    without = min(step_with_pinned(FULL.n_blocks, r, 2, costs, ratio / 4, 0, 1.2, stored / layer, decode, True)
+                  for r in range(bus.resident_layers + 1))  # the splits as small, every layer crossing (from the file, as its own)
+    assert bus.step_s / 0.004 < 0.95 * without
+    # a forced split keeps none
+    assert plan(FULL, int(5.5 * GiB), 1024, 1024, limits=Limits(resident=3), stored=stored).block_layers == 0
+
+
+def test_giving_memory_back_drops_kept_blocks_a_layer_at_a_time():
+    """Another model's room: the slots, then the kept blocks, then the resident layers; after an
+    out-of-memory error: a layer's blocks first, then resident layers."""
+    assert room_for_another(3, 2, 4) == (3, 0, 4)
+    assert room_for_another(3, 0, 4) == (3, 0, 3) and room_for_another(3, 0, 0) == (2, 0, 0)
+    assert room_for_another(0, 0, 0) is None
+    assert one_layer_less(3, 2, 4) == (3, 2, 3) and one_layer_less(3, 2, 0) == (2, 2, 0)
+    assert one_layer_less(5, 0, 0) == (2, 2, 0) and one_layer_less(0, 2, 0) is None

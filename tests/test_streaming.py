@@ -385,12 +385,12 @@ def test_streamed_layers_the_plan_leaves_in_the_file_get_no_master(tiny_file):
     m.prepare(64, 48, resident_layers=TINY.n_blocks)
     ref = m(x, t, ctx)
     s = m.streamer
-    s.configure(0, 2, frozenset({0, 3}))
+    s.configure(0, 2, masters=frozenset({0, 3}))
     assert torch.equal(m(x, t, ctx), ref)
     assert [i for i, h in enumerate(s.masters.host) if h is not None] == [0, 3]
-    s.configure(0, 2, frozenset())
+    s.configure(0, 2, masters=frozenset())
     assert torch.equal(m(x, t, ctx), ref) and s.masters.master_layers == 2
-    s.configure(2, 2, frozenset(range(TINY.n_blocks)))
+    s.configure(2, 2, masters=frozenset(range(TINY.n_blocks)))
     s.configure(0, 2)  # evicted beyond the plan: the planned set still holds
     assert torch.equal(m(x, t, ctx), ref) and s.masters.master_layers == TINY.n_blocks
     m.release()

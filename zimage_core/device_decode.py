@@ -1,5 +1,5 @@
 """Coded layers' uploads on a GPU: a compressed master's runs of chunks (``compression.groups``), or a
-quantized layer's blocks a run at a time, cross on the copy stream into the next of
+quantized layer's blocks a run at a time (unless the device keeps them), cross on the copy stream into the next of
 ``compression.BUFFERS`` device buffers and are decoded into the layer's slot on a decode stream of
 their own, so the next runs cross while one is decoded. The decode stream's priority is high: a
 decode is a few microseconds of work that would otherwise queue behind the step's matrix kernels
@@ -75,6 +75,17 @@ class DeviceDecode:
             self._cross(host[start:start + nbytes], lambda b, run=run, rows=rows: compression.decode_run(b, run, dst, rows))
         return self.stream
 
+    def _here(self, t, region):
+        """A matrix whose blocks are on the device already, into ``region`` on the decode stream,
+        after what the copy stream has queued (the wait for the slot's last user among it)."""
+        self.stream.wait_stream(self.copy_stream)
+        with torch.cuda.stream(self.stream):
+            if t.type_name in PLAIN:
+                _cast(region, t.data.view(PLAIN[t.type_name]), None if t.scale is None else t.scale_in(region.dtype))
+            else:
+                per, nbytes, fn = quants.TYPES[t.type_name]
+                dequantize_run(t.data.view(-1, nbytes), fn, per, region, 0)
+
     def dequantize(self, blocks: dict, layout, dst) -> torch.cuda.Stream:
         """A quantized layer's matrices ({name: GGUFTensor} in host memory) into the packed layer
         ``dst``: a run of whole blocks (at most a buffer) at a time, dequantized ``QUANT_PIECE``
@@ -82,6 +93,9 @@ class DeviceDecode:
         stream, where the layer is done."""
         for name, t in blocks.items():
             region = layout.region(dst, name).view(-1)
+            if t.data.is_cuda:  # kept on the device (``HostMasters.keep_on_device``): nothing crosses
+                self._here(t, region)
+                continue
             if t.type_name in PLAIN:
                 values = t.data.view(PLAIN[t.type_name])
                 step = compression.GROUP_BYTES // values.element_size()

@@ -51,6 +51,7 @@ class HostMasters:
         self.codes = [None] * n              # the chunks of the masters stored compressed
         self.runs = [None] * n               # their runs and tables on the device (``streamer``'s decode)
         self.blocks = [None] * n             # a quantized master's matrices: {name: GGUFTensor} views of it
+        self.on_device = [None] * n          # a quantized layer's matrices kept on the device (``keep_on_device``)
         # a quantized stream's layers as stored (their blocks' bytes, each matrix aligned)
         self.stored_bytes = [sum(_aligned(p.tensor.data.numel()) for parts in src.values() for _, p in parts)
                              for src in sources] if config.quantized else None
@@ -81,7 +82,10 @@ class HostMasters:
         return self.host[i] is not None and self.codes[i] is None and self.blocks[i] is None
 
     def layer_blocks(self, i) -> dict:
-        """A quantized layer's matrices as {name: GGUFTensor}: views of its master, else of the file."""
+        """A quantized layer's matrices as {name: GGUFTensor}: kept on the device, else views of its
+        master, else of the file."""
+        if self.on_device[i] is not None:
+            return self.on_device[i]
         if self.blocks[i] is not None:
             return self.blocks[i]
         pieces = {name: parts[0][1] for name, parts in self.sources[i].items()}
@@ -98,8 +102,34 @@ class HostMasters:
         return sum(h is not None for h in self.host)
 
     def wants_master(self, i) -> bool:
-        """Streamed layer i gets its master at this upload."""
-        return self.config.masters and self.host[i] is None and (self.wanted is None or i in self.wanted)
+        """Streamed layer i gets its master at this upload (not one whose blocks the device keeps)."""
+        return (self.config.masters and self.host[i] is None and self.on_device[i] is None
+                and (self.wanted is None or i in self.wanted))
+
+    @property
+    def blocks_on_device(self) -> int:
+        return sum(b is not None for b in self.on_device)
+
+    @property
+    def device_bytes(self) -> int:
+        """Device bytes of the blocks kept there."""
+        return sum(self.stored_bytes[i] for i, b in enumerate(self.on_device) if b is not None)
+
+    def keep_on_device(self, layers):
+        """The quantized blocks of ``layers`` (and no others) kept on the device in one buffer a
+        layer, copied there once from the master or the file: such a layer is dequantized into its
+        slot from there as it comes, nothing crossing the bus (``planner``: a layer's blocks take
+        a third to a half of its dequantized bytes). The others' buffers go first, so a smaller set
+        needs no extra memory. The uploads must not be reading them (the caller has waited)."""
+        layers = set(layers)
+        for i in range(len(self.on_device)):
+            if i not in layers:
+                self.on_device[i] = None
+        for i in sorted(layers):
+            if self.on_device[i] is not None:
+                continue
+            self.on_device[i] = self._blocks_into(i, torch.empty(self.stored_bytes[i], dtype=torch.uint8,
+                                                                 device=self.device))
 
     def make_master(self, i, dst=None, plain=False) -> bool:
         """Pack layer i into a master from the pool, if it has room: compressed where the stream
@@ -136,18 +166,24 @@ class HostMasters:
         buf = self.pool.allocate(self.stored_bytes[i], torch.uint8)
         if buf is None:
             return False
-        blocks, o = {}, 0
         try:
-            for name, t in self.layer_blocks(i).items():
-                n = t.data.numel()
-                buf[o:o + n].copy_(t.data)
-                blocks[name] = dataclasses.replace(t, data=buf[o:o + n])
-                o += _aligned(n)
+            blocks = self._blocks_into(i, buf)
         except BaseException:  # an interrupt: no half-filled master stays
             self.pool.free(buf)
             raise
         self.host[i], self.blocks[i] = buf, blocks
         return True
+
+    def _blocks_into(self, i, buf) -> dict:
+        """Layer i's quantized matrices (from its master or the file) copied into ``buf``, each
+        aligned: {name: GGUFTensor} views of it."""
+        blocks, o = {}, 0
+        for name, t in self.layer_blocks(i).items():
+            n = t.data.numel()
+            buf[o:o + n].copy_(t.data)
+            blocks[name] = dataclasses.replace(t, data=buf[o:o + n])
+            o += _aligned(n)
+        return blocks
 
     def _encode(self, i, dst=None) -> tuple:
         """Layer i compressed into a master from the pool (allocated and pinned while the first read
@@ -218,6 +254,7 @@ class HostMasters:
                 dequantize_into(self.blocks[i], self.layout, buf)
             self.pool.free(self.host[i])
             self.host[i], self.codes[i], self.runs[i], self.blocks[i] = buf, None, None, None
+        self.on_device[i] = None  # the layer is its plain master's now
         if self.host[i] is None and not self.make_master(i, plain=True):
             buf = torch.empty(self.layout.numel, dtype=self.layout.dtype)
             self.layout.fill(buf, self.sources[i])
@@ -279,5 +316,6 @@ class HostMasters:
         """Drop every master and staging buffer (pinned memory goes back to the OS)."""
         n = len(self.sources)
         self.host, self.codes, self.runs, self.blocks = [None] * n, [None] * n, [None] * n, [None] * n
+        self.on_device = [None] * n
         self._staging, self._stage_next = [], 0
         self.pool.release_all()

@@ -24,7 +24,7 @@ from . import compression, host_memory
 from .config import ZImageConfig
 from .device_memory import CODEC_BYTES, GiB, HOST_RESERVE, activation_bytes, device_margin
 from .image_size import ImageSize
-from .layout import PackLayout, staging_bytes, streamed_in_order
+from .layout import PackLayout, residency_order, staging_bytes, streamed_in_order
 from .ram import cache_headroom
 from .simulation import block_costs, pinned_needed, simulate_step, step_with_pinned
 
@@ -99,13 +99,15 @@ class Plan:
     staging_bytes: int = 0         # host bytes of the staging ring the uploads from the file go through
     text_tokens: int = TEXT_TOKENS  # the prompt's tokens it was planned for (``text_tokens_to_plan``)
     step_s: float | None = None    # its simulated step in seconds, where the device's balance was measured
+    quantized: bool = False        # the layers stream as the file's quantized blocks (``master_bytes`` a layer's)
+    block_layers: int = 0          # of the streamed layers, those whose blocks the device keeps (``blocks_on_device``)
     masters: frozenset = field(default_factory=frozenset)  # streamed layers that get a master where the RAM has room
     pinned: frozenset = field(default_factory=frozenset)   # of those, the ones the host room holds
 
     @property
     def compressed(self) -> bool:
         """Streamed layers get compressed masters (``compression``)."""
-        return self.master_bytes < self.layer_bytes
+        return self.master_bytes < self.layer_bytes and not self.quantized
 
     @property
     def pinned_layers(self) -> int:
@@ -114,7 +116,15 @@ class Plan:
     @property
     def file_layers(self) -> int:
         """Streamed layers read from the file (page cache) at every upload."""
-        return self.streamed_layers - len(self.pinned)
+        return self.streamed_layers - self.block_layers - len(self.pinned)
+
+    @property
+    def blocks_on_device(self) -> frozenset:
+        """The streamed layers of a quantized stream whose blocks stay on the device, dequantized into
+        a slot as each runs (nothing crosses the bus for them): the next ``block_layers`` of
+        ``residency_order`` after the resident ones, spread through the stack as those are."""
+        n = self.resident_layers + self.streamed_layers
+        return frozenset(residency_order(n)[self.resident_layers:self.resident_layers + self.block_layers])
 
     @property
     def ram_short(self) -> int:
@@ -134,6 +144,7 @@ class Plan:
     def as_dict(self):
         out = asdict(self)
         out.update(masters=sorted(self.masters), pinned=sorted(self.pinned), pinned_layers=self.pinned_layers,
+                   blocks_on_device=sorted(self.blocks_on_device),
                    file_layers=self.file_layers, ram_short=self.ram_short, pinned_host_bytes=self.pinned_host_bytes)
         return out
 
@@ -153,23 +164,32 @@ class Plan:
                     f"this {'machine' if self.on_cpu else 'card'} has {_gib(self.free_bytes)} free. {hint}.")
         if self.on_cpu:
             return f"Z-Image: on the CPU, all {n} layers in host memory ({size})"
-        return f"Z-Image: {self.resident_layers} of {n} layers on the GPU, {self.streamed_layers} streamed{self.sources()} ({size})"
+        return split_line(self.resident_layers, self.block_layers, n, self.sources()) + f" ({size})"
 
     def sources(self) -> str:
         """How the streamed layers come, when not all plain from pinned memory: " (compressed, 16
         pinned, 5 from the page cache)"."""
-        if self.on_cpu or not self.streamed_layers:
+        if self.on_cpu or not self.streamed_layers - self.block_layers:
             return ""
         parts = (["compressed"] if self.compressed else []) + (
             [f"{self.pinned_layers} pinned, {self.file_layers} from the page cache"] if self.file_layers else [])
         return f" ({', '.join(parts)})" if parts else ""
 
 
-def _host_sets(n: int, resident: int, masters: int, pinned: int) -> dict:
-    """The ``masters`` and ``pinned`` sets of a plan: the first streamed layers to run (masters are
-    made at a layer's first upload, in the order the layers run)."""
-    order = streamed_in_order(n, resident)
-    return dict(masters=frozenset(order[:masters]), pinned=frozenset(order[:pinned]))
+def split_line(resident: int, blocks: int, n: int, sources: str = "") -> str:
+    """The one-line split: "Z-Image: 4 of 34 layers on the GPU, 22 more as their quantized blocks,
+    8 streamed (8 pinned)"."""
+    kept = f", {blocks} more as their quantized blocks" if blocks else ""
+    return f"Z-Image: {resident} of {n} layers on the GPU{kept}, {n - resident - blocks} streamed{sources}"
+
+
+def _host_sets(n: int, resident: int, masters: int, pinned: int, blocks: int = 0) -> dict:
+    """The ``masters`` and ``pinned`` sets of a plan: the first streamed layers to run that do not
+    keep their blocks on the device (masters are made at a layer's first upload, in the order the
+    layers run)."""
+    on_device = set(residency_order(n)[resident:resident + blocks])
+    order = [i for i in streamed_in_order(n, resident) if i not in on_device]
+    return dict(block_layers=blocks, masters=frozenset(order[:masters]), pinned=frozenset(order[:pinned]))
 
 
 def _pinned_count(streamed: int, host_room: int | None, layer_bytes: int) -> int:
@@ -231,25 +251,31 @@ def plan_host(cfg: ZImageConfig, free_bytes: int, width: int, height: int, batch
     return _within(p, limits)
 
 
-def room_for_another(resident: int, slots: int) -> tuple | None:
-    """The split after giving one more piece of device memory to another model, while this one does
-    not run: its slots first (they hold nothing that must be uploaded again, and the next plan
-    makes them anew), then its resident layers one at a time; None when none is left."""
+def room_for_another(resident: int, slots: int, blocks: int = 0) -> tuple | None:
+    """The split (resident, slots, layers keeping their blocks on the device) after giving one more
+    piece of device memory to another model, while this one does not run: its slots first (they
+    hold nothing that must be uploaded again, and the next plan makes them anew), then the kept
+    blocks and the resident layers one layer at a time; None when none is left."""
     if slots:
-        return resident, 0
-    return (resident - 1, 0) if resident else None
+        return resident, 0, blocks
+    if blocks:
+        return resident, 0, blocks - 1
+    return (resident - 1, 0, 0) if resident else None
 
 
-def one_layer_less(resident: int, slots: int) -> tuple | None:
+def one_layer_less(resident: int, slots: int, blocks: int = 0) -> tuple | None:
     """The split after giving back one layer's worth of device memory (to another model, or after an
-    out-of-memory error), or None when nothing is left to give. The first layer to stream needs
-    slots: enough resident layers go to pay for two."""
+    out-of-memory error), or None when nothing is left to give: a layer's kept blocks first, then
+    resident layers. The first layer to stream needs slots: enough resident layers go to pay for
+    two."""
+    if blocks:
+        return resident, slots, blocks - 1
     if resident == 0:
         return None
     if slots == 0:
         r = max(0, resident - 3)
-        return r, 2 if resident - r >= 2 else 1
-    return resident - 1, slots
+        return r, 2 if resident - r >= 2 else 1, 0
+    return resident - 1, slots, 0
 
 
 def stack_resident(n_layers: int, layer_bytes: int, free_bytes: int, cap: int | None = None) -> int:
@@ -346,15 +372,52 @@ def _plan(cfg, free_bytes, width, height, batch, storage, dtype, compute_copy_ra
         r, streamed = 0, n
         needed = n
     pinned = min(needed, _pinned_count(streamed, host_room, master))
+    blocks = 0
+    if stored and fits and streamed:
+        def step_of(r, k, b):  # every layer that crosses pinned, as far as the host room holds them
+            if compute_copy_ratio is None:
+                return None
+            return step_with_pinned(n, r, k, costs, before, _pinned_count(n - r - b, host_room, master),
+                                    file_copy or 1.0, master_copy, decode, True, b)
+        r, k, blocks = _blocks_split(n, room, layer, stored, r, k, step_of)
+        if blocks:
+            streamed = n - r
+            needed = streamed - blocks
+            if compute_copy_ratio is not None and file_copy is not None:
+                needed = pinned_needed(n, r, k, costs, before, file_copy, master_copy, decode, True, blocks)
+            pinned = min(needed, _pinned_count(streamed - blocks, host_room, master))
     step = None
     if fits and compute_copy_ratio is not None:
         step = step_with_pinned(n, r, k, costs, before, pinned, file_copy or 1.0, master_copy, decode,
-                                stored is not None)
+                                stored is not None, blocks)
     return Plan(width, height, batch, free_bytes, r, streamed, k if fits else 0,
-                layer, fixed, act, fixed + act + (r + k) * layer if fits else 0, fits,
+                layer, fixed, act, fixed + act + (r + k) * layer + blocks * master if fits else 0, fits,
                 needed_bytes=need(width, height),
                 largest_fitting=None if fits else _largest_fitting(width, height, batch,
                                                                    lambda w, h: need(w, h) <= free_bytes),
                 master_bytes=master, staging_bytes=staging_bytes(packed), text_tokens=text_tokens,
-                step_s=step * upload_s if step is not None and upload_s else None,
-                **_host_sets(n, r, needed, pinned)), step
+                quantized=stored is not None, step_s=step * upload_s if step is not None and upload_s else None,
+                **_host_sets(n, r, needed, pinned, blocks)), step
+
+
+def _blocks_split(n, room, layer, stored, r, k, step_of) -> tuple:
+    """(resident, slots, layers keeping their blocks on the device) for a quantized stream that does
+    not fit whole as dequantized layers, ``(r, k)`` its split without kept blocks. A layer's
+    blocks take ``stored`` bytes on the device (1/1.9 of a bf16 layer at Q8_0, 1/3.5 at Q4_K) and
+    spare the bus and the host as much as a resident layer does, but are dequantized into a slot
+    as they come. The candidates: every layer's blocks on the device beside two slots, the room
+    left making layers resident; and ``r' <= r`` resident layers with ``k`` slots, blocks filling
+    the rest. Of those, the shortest simulated step (``step_of(r, k, blocks)``), and within 1% of
+    it the one that moves fewest layers across the bus; where the device was not measured
+    (``step_of`` gives None), the one that moves fewest."""
+    candidates = [(rr, k, min(n - rr, max(0, room - (rr + k) * layer) // stored)) for rr in range(r + 1)]
+    slots = min(2, n)
+    if room - slots * layer >= n * stored:
+        resident = min(n - 1, (room - slots * layer - n * stored) // (layer - stored))
+        candidates.append((resident, slots, n - resident))
+    crossing = lambda c: (n - c[0] - c[2], -c[0])
+    steps = [step_of(*c) for c in candidates]
+    if None not in steps:
+        best = min(steps)
+        candidates = [c for c, t in zip(candidates, steps) if t <= 1.01 * best]
+    return min(candidates, key=crossing)

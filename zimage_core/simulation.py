@@ -6,7 +6,7 @@ from __future__ import annotations
 import functools
 
 from .config import ZImageConfig
-from .layout import residency_order
+from .layout import residency_order, streamed_in_order
 
 # attention and the elementwise steps run below the matmul rate: on an H200 a resident 1024x1024
 # layer takes 1.09x its FLOPs at that rate with the fused kernels (``attention_input``,
@@ -87,28 +87,37 @@ def _simulate(n_layers, resident, slots, compute, copy, fixed, steps, decode) ->
 
 
 def pinned_needed(n_layers, resident, slots, costs, fixed, file_copy: float, master_copy: float = 1.0,
-                  decode: float = 0.0, coded_file: bool = False) -> int:
+                  decode: float = 0.0, coded_file: bool = False, blocks: int = 0) -> int:
     """The fewest streamed layers that need pinned masters for a step to take no longer (within 1%)
     than with every one pinned, the others read from the page cache at ``file_copy`` times a
     plain pinned upload (a master's upload takes ``master_copy`` of that, and ``decode`` on the
-    device, where it is compressed; ``coded_file``: see ``step_with_pinned``). The pinned ones are
-    the first to run (``planner``)."""
-    streamed = n_layers - resident
-    best = simulate_step(n_layers, resident, slots, costs, master_copy, fixed, decode=decode)
-    for pinned in range(streamed):
-        if step_with_pinned(n_layers, resident, slots, costs, fixed, pinned, file_copy, master_copy,
-                            decode, coded_file) <= best * 1.01:
-            return pinned
-    return streamed
+    device, where it is compressed; ``coded_file`` and ``blocks``: see ``step_with_pinned``). The
+    pinned ones are the first to run (``planner``)."""
+    crossing = n_layers - resident - blocks
+    step = lambda pinned: step_with_pinned(n_layers, resident, slots, costs, fixed, pinned, file_copy, master_copy,
+                                           decode, coded_file, blocks)
+    best = step(crossing)
+    return next((pinned for pinned in range(crossing) if step(pinned) <= best * 1.01), crossing)
 
 
 def step_with_pinned(n_layers, resident, slots, costs, fixed, pinned, file_copy, master_copy=1.0, decode=0.0,
-                     coded_file=False):
+                     coded_file=False, blocks=0):
     """``simulate_step`` with the first ``pinned`` streamed layers uploaded from masters (each
     ``master_copy`` of a plain upload, and ``decode`` on the device) and the rest read plain from
     the page cache at ``file_copy``; ``coded_file``: the file stores them as the masters do (a
-    GGUF's blocks), so the rest move ``master_copy`` of a layer from it and are decoded too."""
-    rest = n_layers - resident - pinned
-    from_file, rest_decode = (file_copy * master_copy, decode) if coded_file else (file_copy, 0.0)
-    return simulate_step(n_layers, resident, slots, costs, [master_copy] * pinned + [from_file] * rest, fixed,
-                         decode=[decode] * pinned + [rest_decode] * rest)
+    GGUF's blocks), so the rest move ``master_copy`` of a layer from it and are decoded too.
+    ``blocks``: the next layers of ``residency_order`` after the resident ones keep their blocks on
+    the device (``planner``): nothing crosses for them, each is decoded into its slot as it comes;
+    ``pinned`` counts the others."""
+    on_device = set(residency_order(n_layers)[resident:resident + blocks])
+    from_file, file_decode = (file_copy * master_copy, decode) if coded_file else (file_copy, 0.0)
+    copies, decodes, host = [], [], 0
+    for i in streamed_in_order(n_layers, resident):
+        if i in on_device:
+            copies.append(0.0)
+            decodes.append(decode)
+            continue
+        copies.append(master_copy if host < pinned else from_file)
+        decodes.append(decode if host < pinned else file_decode)
+        host += 1
+    return simulate_step(n_layers, resident, slots, costs, copies, fixed, decode=decodes)

@@ -9,7 +9,7 @@ import logging
 import torch
 
 from . import compression, host_memory
-from .planner import GiB, Plan
+from .planner import GiB, Plan, split_line
 
 log = logging.getLogger("zimage")
 
@@ -35,8 +35,9 @@ class SplitStatus:
             msg = (f"Z-Image: on the CPU, all {n} layers in host memory{size}" if r == n else
                    f"Z-Image: on the CPU, {r} of {n} layers kept, {n - r} streamed from host memory{size}")
         else:
-            sources = plan.sources() if plan and plan.resident_layers == r else ""
-            msg = f"Z-Image: {r} of {n} layers on the GPU, {n - r} streamed{sources}{size}"
+            b = self.streamer.masters.blocks_on_device
+            sources = plan.sources() if plan and (plan.resident_layers, plan.block_layers) == (r, b) else ""
+            msg = split_line(r, b, n, sources) + size
         if msg == self._last:
             return
         self._last = msg

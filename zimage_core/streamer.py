@@ -6,7 +6,9 @@ bytes come from is the host side's (``host_masters``).
 Every upload (into a slot, or of a layer promoted to resident) runs on the stream's
 ``UploadThread``, in the order it was queued; a layer waits for its own upload where it begins.
 The first ``n_resident`` layers of ``residency_order`` have a packed device buffer; the others are
-uploaded, one copy per layer, into the slots on a dedicated copy stream, ordered with events: a
+uploaded, one copy per layer, into the slots on a dedicated copy stream (of a quantized stream,
+the next ``blocks`` of that order keep their blocks on the device and are only dequantized into
+their slot), ordered with events: a
 slot is refilled only after the layer that used it has finished, and a layer runs only after its
 upload. While a forward's last layers run, the next forward's first uploads can already be queued
 (``run_layers(..., next_forward=True)``), so the copy engine does not idle between steps. Uploads
@@ -79,17 +81,25 @@ class LayerStreamer:
 
     @property
     def device_bytes(self) -> int:
-        return (self.n_resident + len(self.slots)) * self.layout.nbytes + (self.decode.device_bytes if self.decode else 0)
+        return ((self.n_resident + len(self.slots)) * self.layout.nbytes + self.masters.device_bytes
+                + (self.decode.device_bytes if self.decode else 0))
 
     def _empty(self):
         return torch.empty(self.layout.numel, dtype=self.layout.dtype, device=self.device)
 
-    def configure(self, n_resident: int, n_slots: int, masters: frozenset | None = None, compress: bool | None = None):
+    @property
+    def split(self) -> tuple:
+        """(resident layers, slots, layers keeping their blocks on the device): ``configure``'s."""
+        return self.n_resident, len(self.slots), self.masters.blocks_on_device
+
+    def configure(self, n_resident: int, n_slots: int, blocks: int = 0, masters: frozenset | None = None,
+                  compress: bool | None = None):
         """Make the first ``n_resident`` layers of ``residency_order`` resident with ``n_slots``
         slots for the rest (0 slots: only the resident layers stay on the device, as when the
-        model is offloaded). Frees before it allocates, so a shrinking split never needs extra
-        memory. ``masters`` and ``compress``: which streamed layers get host masters and whether
-        new ones are compressed (``HostMasters.plan``; None: as before)."""
+        model is offloaded); of a quantized stream, the next ``blocks`` keep their blocks on the
+        device (``HostMasters.keep_on_device``). Frees before it allocates, so a shrinking split
+        never needs extra memory. ``masters`` and ``compress``: which streamed layers get host
+        masters and whether new ones are compressed (``HostMasters.plan``; None: as before)."""
         self.masters.plan(masters, compress)
         n_resident = max(0, min(n_resident, self.n_layers))
         n_slots = 0 if n_resident == self.n_layers or n_slots == 0 else min(n_slots, self.n_layers - n_resident)
@@ -101,6 +111,7 @@ class LayerStreamer:
             self._patched.discard(i)
         del self.slots[n_slots:]
         del self._ready[n_slots:], self._free[n_slots:]
+        self.masters.keep_on_device(self.order[n_resident:n_resident + blocks] if self.config.quantized else ())
         if not n_slots and self.decode:
             self.decode.drop()  # its buffers serve the streamed layers (a promotion makes them again)
         self.streamed = [i for i in range(self.n_layers) if i not in keep]

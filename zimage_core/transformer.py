@@ -210,7 +210,7 @@ class ZImageTransformer(torch.nn.Module):
             raise OutOfDeviceMemory(p.summary())
         self.plan = p
         start, before = time.perf_counter(), self.streamer.n_resident
-        self._set_split(p.resident_layers, p.slots, p.masters, p.compressed)
+        self._set_split(p.resident_layers, p.slots, p.block_layers, p.masters, p.compressed)
         # the free memory it was planned with: a plan that changes from one image to the next says why
         log.debug("Z-Image: split set in %.2f s (%d -> %d resident, %.3f GiB free%s)", time.perf_counter() - start,
                   before, self.streamer.n_resident, p.free_bytes / planner.GiB,
@@ -230,22 +230,23 @@ class ZImageTransformer(torch.nn.Module):
             return None
         return self.prepare(p.width, p.height, p.batch, text_tokens=p.text_tokens)
 
-    def _set_split(self, resident, slots, masters=None, compress=None):
-        """The split ``resident`` / ``slots``, or the first below it (``planner.one_layer_less``)
-        whose buffers the device can allocate: the one ladder down after an out-of-memory error."""
+    def _set_split(self, resident, slots, blocks=0, masters=None, compress=None):
+        """The split ``resident`` / ``slots`` / ``blocks`` (layers keeping their quantized blocks on
+        the device), or the first below it (``planner.one_layer_less``) whose buffers the device can
+        allocate: the one ladder down after an out-of-memory error."""
         while True:
             try:
-                self.streamer.configure(resident, slots, masters, compress)
+                self.streamer.configure(resident, slots, blocks, masters, compress)
                 break
             except torch.OutOfMemoryError:  # the estimate was optimistic: one layer fewer
-                less = planner.one_layer_less(resident, slots)
+                less = planner.one_layer_less(resident, slots, blocks)
                 if less is None:
                     raise
-                resident, slots = less
+                resident, slots, blocks = less
 
     def _evict_one(self) -> bool:
         """Give back one layer's worth of device memory; False when nothing is left to evict."""
-        less = planner.one_layer_less(self.streamer.n_resident, len(self.streamer.slots))
+        less = planner.one_layer_less(*self.streamer.split)
         if less is None:
             return False
         self._set_split(*less)
@@ -258,7 +259,7 @@ class ZImageTransformer(torch.nn.Module):
         freed."""
         start = self.device_bytes()
         while start - self.device_bytes() < nbytes:
-            less = planner.room_for_another(self.streamer.n_resident, len(self.streamer.slots))
+            less = planner.room_for_another(*self.streamer.split)
             if less is None:
                 break
             self.streamer.configure(*less)
