@@ -264,14 +264,21 @@ def test_a_gguf_streamed_on_cuda_computes_what_its_dequantized_weights_compute(t
 
 def test_a_scaled_fp8_file_streamed_on_cuda_computes_what_comfyui_dequantizes(tmp_path, tiny_file):
     """A scaled fp8 file's layers stream as their fp8 bytes and are scaled on the device (as ComfyUI
-    dequantizes them, in bf16): at every split the image of the weights ComfyUI would compute with."""
+    dequantizes them, in bf16): at every split, and kept on the device, the image of the weights
+    ComfyUI would compute with."""
     from safetensors.torch import save_file
     from test_scaled_fp8 import comfy_dequantized
     from tools.fp8_weights import write_scaled_fp8
     path = str(write_scaled_fp8(tiny_file, tmp_path / "tiny_fp8.safetensors"))
     save_file(comfy_dequantized(path, torch.bfloat16), str(tmp_path / "ref.safetensors"))
+    _every_split_matches(path, str(tmp_path / "ref.safetensors"))
+
+
+def _every_split_matches(path, ref_path):
+    """The file at ``path`` streamed on the GPU gives, resident, at every split and with its blocks
+    kept on the device, the image of the file at ``ref_path`` resident, to the bit."""
     x, _, ctx = inputs(TINY, width=128, height=96)
-    ref = ZImageTransformer.load(str(tmp_path / "ref.safetensors"), device="cuda", dtype="bf16")
+    ref = ZImageTransformer.load(ref_path, device="cuda", dtype="bf16")
     ref.prepare(128, 96, resident_layers=TINY.n_blocks)
     expected = euler_sample(ref, x.cuda(), ctx.cuda(), steps=2)
     ref.release()
@@ -281,4 +288,29 @@ def test_a_scaled_fp8_file_streamed_on_cuda_computes_what_comfyui_dequantizes(tm
     for r in range(TINY.n_blocks):
         m.streamer.configure(r, 2, masters=EVERY_LAYER)
         assert torch.equal(euler_sample(m, x.cuda(), ctx.cuda(), steps=2), expected), r
+    m.streamer.configure(0, 2, TINY.n_blocks)
+    assert torch.equal(euler_sample(m, x.cuda(), ctx.cuda(), steps=2), expected)
     m.release()
+
+
+@pytest.mark.parametrize("rotation", [0, 256], ids=["rows", "convrot"])
+def test_an_int8_file_streamed_on_cuda_computes_what_comfyui_dequantizes(tmp_path, tiny_file, rotation):
+    """An int8_tensorwise file's layers stream as their codes and are dequantized on the device: at
+    every split, and with their codes kept on the device, the image of the weights ComfyUI would
+    compute with (its formula on the CPU where the rows are only scaled; rotated back on this device,
+    where the matrix product's rounding is the device's)."""
+    from safetensors.torch import load_file, save_file
+    from test_int8 import comfy_dequantized
+    from tools.int8_weights import write_int8
+    from zimage_core import int8_rows
+    from zimage_core.checkpoint import COMFY_PREFIX
+    path = str(write_int8(tiny_file, tmp_path / "tiny_int8.safetensors", rotation))
+    want = comfy_dequantized(path, torch.bfloat16)
+    if rotation:
+        sd = load_file(path)
+        for key in [k for k in want if COMFY_PREFIX + k[:-len(".weight")] + ".weight_scale" in sd]:
+            layer = COMFY_PREFIX + key[:-len(".weight")]
+            want[key] = int8_rows.dequantize(sd[layer + ".weight"].cuda(), sd[layer + ".weight_scale"].cuda(),
+                                             rotation, torch.bfloat16).cpu()
+    save_file(want, str(tmp_path / "ref.safetensors"))
+    _every_split_matches(path, str(tmp_path / "ref.safetensors"))

@@ -56,7 +56,8 @@ def test_a_scaled_fp8_file_computes_what_comfyui_dequantizes(tmp_path, tiny_file
 
 
 def test_a_quant_format_the_pack_cannot_read_is_named(tmp_path, tiny_file):
-    path = write_scaled_fp8(tiny_file, tmp_path / "int8.safetensors", mixed=True,
-                            formats={"layers.1.feed_forward.w2.weight": "int8_tensorwise"})
-    with pytest.raises(CheckpointError, match="layers.1.feed_forward.w2 in ComfyUI's quant format 'int8_tensorwise'"):
+    path = write_scaled_fp8(tiny_file, tmp_path / "nvfp4.safetensors", mixed=True,
+                            formats={"layers.1.feed_forward.w2.weight": "nvfp4"})
+    with pytest.raises(CheckpointError, match="layers.1.feed_forward.w2 in ComfyUI's quant format 'nvfp4', which this "
+                                              r"pack cannot read \(it reads float8_e4m3fn, int8_tensorwise\)"):
         Checkpoint(str(path))

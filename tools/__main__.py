@@ -1,4 +1,4 @@
-"""python -m tools bench | random-weights | random-lora | gguf-weights | fp8-weights | ratio: the core benchmark (median step against its bound,
+"""python -m tools bench | random-weights | random-lora | gguf-weights | fp8-weights | int8-weights | ratio: the core benchmark (median step against its bound,
 in one process), the random-weight generator, and how well a checkpoint's layers compress. Run from
 the repository's root."""
 from __future__ import annotations
@@ -19,6 +19,7 @@ from zimage_core.settings import STORAGE_DTYPES
 from . import bench, ratio
 from .fp8_weights import write_scaled_fp8
 from .gguf_weights import QUANTS, write_gguf
+from .int8_weights import write_int8
 from . import random_weights
 from .random_weights import write_checkpoint
 
@@ -29,6 +30,15 @@ def layer_list(text):
         return [count(0)(v) for v in text.split(",")]
     except argparse.ArgumentTypeError as e:
         raise argparse.ArgumentTypeError(f"{text!r}: {e}; give layer counts separated by commas, e.g. 30,18,0") from None
+
+
+def rotation(text):
+    """--convrot: a power of 4."""
+    from zimage_core.int8_rows import is_rotation
+    n = count(0)(text)
+    if n and not is_rotation(n):
+        raise argparse.ArgumentTypeError(f"{text}: a ConvRot group is a power of 4 (16, 64, 256, ...)")
+    return n
 
 
 def device(text):
@@ -144,6 +154,12 @@ def _fp8(a):
           f"{'ComfyUI mixed-precision' if a.mixed else 'legacy scaled_fp8'} layout)")
 
 
+def _int8(a):
+    rotated = f", ConvRot in groups of {a.convrot}" if a.convrot else ""
+    print(f"wrote {write_int8(a.src, a.out, a.convrot, a.full_precision_matmul)} (its layers' matrices int8 "
+          f"with a scale per row{rotated})")
+
+
 def _gguf(a):
     if importlib.util.find_spec("gguf") is None:
         sys.exit("error: writing a GGUF needs the gguf package: python3 -m pip install gguf")
@@ -152,7 +168,7 @@ def _gguf(a):
 
 def main(argv=None):
     ap = _Parser(prog="python -m tools")
-    sub = ap.add_subparsers(dest="cmd", required=True, metavar="random-weights|random-lora|gguf-weights|fp8-weights|bench|ratio")
+    sub = ap.add_subparsers(dest="cmd", required=True, metavar="random-weights|random-lora|gguf-weights|fp8-weights|int8-weights|bench|ratio")
     r = sub.add_parser("random-weights", help="write a full-size random checkpoint (ComfyUI layout)")
     r.add_argument("out", type=checkpoint_out,
                    help="the .safetensors file to write (its folder is created if missing)")
@@ -185,6 +201,15 @@ def main(argv=None):
     f8.add_argument("--mixed", action="store_true",
                     help="ComfyUI's mixed-precision quant layout (.weight_scale, .comfy_quant) instead of scaled_fp8")
     f8.set_defaults(fn=_fp8)
+    i8 = sub.add_parser("int8-weights", help="a transformer file written as ComfyUI's int8_tensorwise format")
+    i8.add_argument("src", type=weights_file, help="a Z-Image transformer (.safetensors, or a folder as the loader takes)")
+    i8.add_argument("out", type=checkpoint_out, help="the .safetensors file to write")
+    i8.add_argument("--convrot", type=rotation, default=0,
+                    help="rotate each row's groups of N inputs before quantizing (ConvRot; N a power of 4, "
+                         "e.g. 256; default: not rotated)")
+    i8.add_argument("--full-precision-matmul", action="store_true",
+                    help="ask ComfyUI for full-precision matrix products (its dequantized weights) on every layer")
+    i8.set_defaults(fn=_int8)
     c = sub.add_parser("ratio", help="compressed bytes of each streamed layer over its bf16 bytes")
     c.add_argument("--weights", type=weights_file, required=True, help="a Z-Image transformer .safetensors file")
     c.add_argument("--layers", type=count(1, 64), help="only the first N layers (the encode is slow on a CPU)")

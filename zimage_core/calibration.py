@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from . import attention_input, compression, elementwise, quants
+from . import attention_input, compression, elementwise, int8_rows, quants
 from .device_decode import dequantize_run
 from .device_timing import device_seconds
 from .errors import OutOfDeviceMemory
@@ -95,7 +95,12 @@ class Calibration:
         if self._layer_dequantize_s is None:
             s = self.streamer
             t = max(s.masters.layer_blocks(s.order[-1]).values(), key=lambda t: t.data.numel())
-            if t.type_name in PLAIN:
+            if t.type_name == "I8":  # a scale per row, and a matrix product where it is rotated
+                codes = t.codes().to(self.device)
+                scale, out = t.row_scale.to(self.device), torch.empty(t.shape, dtype=s.layout.dtype, device=self.device)
+                seconds = device_seconds(lambda: int8_rows.dequantize(codes, scale, t.rotation, out.dtype, out=out))
+                self._layer_dequantize_s = seconds * s.layout.numel / out.numel()
+            elif t.type_name in PLAIN:
                 self._layer_dequantize_s = 0.0
             else:
                 per, nbytes, fn = quants.TYPES[t.type_name]

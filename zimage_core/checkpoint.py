@@ -15,7 +15,7 @@ import torch
 from .config import BIG_KEYS, ZImageConfig
 from .errors import CheckpointError
 from .gguf_file import GGUFFile
-from .scaled_fp8 import ScaledFile, open_scaled
+from .comfy_quant import ScaledFile, open_scaled
 from .safetensors_file import SafetensorsFile
 
 COMFY_PREFIX = "model.diffusion_model."

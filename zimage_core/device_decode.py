@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from . import compression, quants
+from . import compression, int8_rows, quants
 from .gguf_file import PLAIN
 
 # a quantized run is dequantized this many weights at a time: the float32 temporaries of a whole
@@ -39,6 +39,7 @@ class DeviceDecode:
         self.device, self.copy_stream = device, copy_stream
         self.stream = torch.cuda.Stream(device, priority=-1)
         self._buffers = []  # [device buffer, event of the last decode from it], made at the first upload
+        self._scales = {}   # an I8 weight's scales (its host tensor) -> their device copy
         self._next = 0
 
     @property
@@ -48,6 +49,15 @@ class DeviceDecode:
     def drop(self):
         """Free the buffers (the next upload makes them again)."""
         self._buffers = []
+        self._scales = {}
+
+    def _row_scale(self, t) -> torch.Tensor:
+        """An I8 weight's scales on the device: copied at its first upload (a float a row), kept until
+        ``drop``."""
+        scale = self._scales.get(t.row_scale)
+        if scale is None:
+            scale = self._scales[t.row_scale] = t.row_scale.to(self.device)
+        return scale
 
     def _cross(self, src, decode):
         """``src`` (host bytes, at most a buffer) into the next buffer on the copy stream, then
@@ -78,9 +88,12 @@ class DeviceDecode:
     def _here(self, t, region):
         """A matrix whose blocks are on the device already, into ``region`` on the decode stream,
         after what the copy stream has queued (the wait for the slot's last user among it)."""
+        scale = self._row_scale(t) if t.type_name == "I8" else None
         self.stream.wait_stream(self.copy_stream)
         with torch.cuda.stream(self.stream):
-            if t.type_name in PLAIN:
+            if scale is not None:
+                int8_rows.dequantize(t.codes(), scale, t.rotation, region.dtype, out=region.view(t.shape))
+            elif t.type_name in PLAIN:
                 _cast(region, t.data.view(PLAIN[t.type_name]), None if t.scale is None else t.scale_in(region.dtype))
             else:
                 per, nbytes, fn = quants.TYPES[t.type_name]
@@ -95,6 +108,17 @@ class DeviceDecode:
             region = layout.region(dst, name).view(-1)
             if t.data.is_cuda:  # kept on the device (``HostMasters.keep_on_device``): nothing crosses
                 self._here(t, region)
+                continue
+            if t.type_name == "I8":  # whole rows at a time: each is scaled (and rotated back) alone
+                rows, inputs = t.shape
+                scale, step = self._row_scale(t), max(1, compression.GROUP_BYTES // inputs)
+                codes = t.data.view(rows, inputs)
+                for a in range(0, rows, step):
+                    part = codes[a:a + step]
+                    self._cross(part.reshape(-1), lambda b, a=a, n=part.shape[0], t=t, region=region:
+                                int8_rows.dequantize(b.view(torch.int8).view(n, inputs),
+                                                     scale[a:a + n] if scale.dim() else scale, t.rotation,
+                                                     region.dtype, out=region[a * inputs:(a + n) * inputs].view(n, inputs)))
                 continue
             if t.type_name in PLAIN:
                 values = t.data.view(PLAIN[t.type_name])

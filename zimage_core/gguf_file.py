@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import quants
+from . import int8_rows, quants
 from .errors import CheckpointError
 from .ram import advise_mapped
 from .safetensors_file import FileChanged
@@ -24,18 +24,26 @@ _FIX = "Pick a Z-Image-Turbo GGUF (e.g. z_image_turbo-Q8_0.gguf) in models/diffu
 
 @dataclass(frozen=True)
 class GGUFTensor:
-    type_name: str        # GGML's name of its type: F32, F16, BF16, Q8_0, Q4_K, ... (or F8_E4M3)
+    type_name: str        # GGML's name of its type: F32, F16, BF16, Q8_0, Q4_K, ... (or F8_E4M3, I8)
     shape: tuple          # in torch's order
     data: torch.Tensor    # its bytes (uint8), a view of the file's mapping
-    scale: float | None = None  # a scaled fp8 weight's per-tensor scale (``scaled_fp8``)
+    scale: float | None = None  # a scaled fp8 weight's per-tensor scale (``comfy_quant``)
+    row_scale: torch.Tensor | None = None  # an I8 weight's float32 scales, [rows, 1] or 0-d (``int8_rows``)
+    rotation: int = 0     # an I8 weight's ConvRot group size (0: not rotated)
 
     def values(self, dtype=torch.float32) -> torch.Tensor:
         """The weights, dequantized (or cast, and scaled as ComfyUI scales them) to ``dtype``,
         where ``data`` lives."""
+        if self.type_name == "I8":
+            return int8_rows.dequantize(self.codes(), self.row_scale.to(self.data.device), self.rotation, dtype)
         if self.type_name in PLAIN:
             values = self.data.view(PLAIN[self.type_name]).reshape(self.shape).to(dtype)
             return values if self.scale is None else values * self.scale_in(dtype)
         return quants.dequantize(self.data, self.type_name, self.shape, dtype)
+
+    def codes(self) -> torch.Tensor:
+        """An I8 weight's codes, int8 [rows, inputs]: a view of ``data``."""
+        return self.data.view(torch.int8).view(self.shape)
 
     def scale_in(self, dtype) -> float:
         """The scale rounded to ``dtype``: ComfyUI multiplies ``weight.to(dtype) * scale.to(dtype)``,

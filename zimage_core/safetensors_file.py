@@ -33,6 +33,7 @@ DTYPES = {
     "F16": torch.float16,
     "F32": torch.float32,
     "F8_E4M3": torch.float8_e4m3fn,
+    "I8": torch.int8,  # ComfyUI's int8_tensorwise layers' codes (``comfy_quant``; refused elsewhere)
 }
 # every storage type of the safetensors format, with its size: a tensor of a type the pack does
 # not run is still checked for size, and refused only when the model uses it
