@@ -43,3 +43,15 @@ def test_quantized_by_the_reference_and_back(type_name):
     want = gguf_quants.dequantize(data, qtype)
     got = quants.dequantize(torch.from_numpy(np.ascontiguousarray(data)).reshape(-1), type_name, (16, 256))
     assert np.array_equal(got.numpy(), want) and np.abs(got.numpy() - w).max() < 0.2 * np.abs(w).max()
+
+
+@pytest.mark.parametrize("type_name", list(quants.TYPES))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_dequantized_into_a_narrower_buffer_rounds_the_reference_once(type_name, dtype):
+    """With ``out`` the last float32 operation writes straight into the compute dtype: the reference
+    values rounded once, as ``.to(dtype)`` of them rounds."""
+    elements, nbytes, fn = quants.TYPES[type_name]
+    blocks = torch.from_numpy(random_blocks(type_name, 64, seed=7))
+    out = torch.full((64, elements), float("nan"), dtype=dtype)
+    fn(blocks, out=out)
+    assert torch.equal(out, fn(blocks).to(dtype))

@@ -21,9 +21,9 @@ def dequantize_run(blocks: torch.Tensor, fn, per: int, region: torch.Tensor, sta
     ``start``, ``QUANT_PIECE`` weights at a time."""
     piece = max(1, QUANT_PIECE // per)  # blocks one dequantization takes
     for p in range(0, blocks.shape[0], piece):
-        out = fn(blocks[p:p + piece]).reshape(-1)
+        part = blocks[p:p + piece]
         at = start + p * per
-        region[at:at + out.numel()].copy_(out)
+        fn(part, out=region[at:at + part.shape[0] * per].view(-1, per))
 
 
 def _cast(dst: torch.Tensor, src: torch.Tensor, scale: float | None):

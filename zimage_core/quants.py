@@ -2,7 +2,10 @@
 quantized layer crosses the bus as its blocks and becomes weights where it is computed. Each
 function takes blocks as bytes ([n_blocks, block bytes], uint8) and gives float32 values
 ([n_blocks, block elements]) equal to the ``gguf`` package's reference dequantization to the bit:
-the same float32 operations in the same order (``tests/test_quants.py``)."""
+the same float32 operations in the same order (``tests/test_quants.py``). Given ``out`` (that
+shape, any float dtype), the last operation writes its float32 result there, rounded once: no
+float32 copy of the weights is made and copied again (a Q8_0 matrix is read once as its blocks and
+written once as weights)."""
 from __future__ import annotations
 
 import torch
@@ -23,20 +26,20 @@ def _nibbles(qs, group) -> torch.Tensor:
     return torch.cat([qs & 0x0F, qs >> 4], dim=2).reshape(n, -1)
 
 
-def q8_0(blocks):
+def q8_0(blocks, out=None):
     d = _f16(blocks, 0)
-    return blocks[:, 2:].contiguous().view(torch.int8).float() * d
+    return torch.mul(blocks[:, 2:].view(torch.int8), d, out=out)  # int8 codes promote to float32 exactly
 
 
-def q4_0(blocks):
+def q4_0(blocks, out=None):
     d = _f16(blocks, 0)
     q = _nibbles(blocks[:, 2:], 16).to(torch.int8) - 8
-    return d * q.float()
+    return torch.mul(d, q, out=out)
 
 
-def q4_1(blocks):
+def q4_1(blocks, out=None):
     d, m = _f16(blocks, 0), _f16(blocks, 2)
-    return d * _nibbles(blocks[:, 4:], 16).float() + m
+    return torch.add(d * _nibbles(blocks[:, 4:], 16).float(), m, out=out)
 
 
 def _bits(packed: torch.Tensor, width: int) -> torch.Tensor:
@@ -45,11 +48,11 @@ def _bits(packed: torch.Tensor, width: int) -> torch.Tensor:
     return ((packed >> shifts) & 1).to(torch.uint8)
 
 
-def q5_0(blocks):
+def q5_0(blocks, out=None):
     d = _f16(blocks, 0)
     qh = _bits(blocks[:, 2:6].contiguous().view(torch.int32), 32)
     q = (_nibbles(blocks[:, 6:], 16) | (qh << 4)).to(torch.int8) - 16
-    return d * q.float()
+    return torch.mul(d, q, out=out)
 
 
 def _scale_min(scales) -> tuple:
@@ -68,14 +71,19 @@ def _k_scales(blocks, n):
     return (d * sc.float()).reshape(n, -1, 1), (dmin * mn.float()).reshape(n, -1, 1)
 
 
-def q4_k(blocks):
+def _into(out, n, groups):
+    """``out`` ([n, elements]) viewed as [n, groups, elements / groups], or None."""
+    return None if out is None else out.view(n, groups, -1)
+
+
+def q4_k(blocks, out=None):
     n = blocks.shape[0]
     d, dm = _k_scales(blocks, n)
     q = _nibbles(blocks[:, 4 + K_SCALE_SIZE:], 32).reshape(n, -1, 32).float()
-    return (d * q - dm).reshape(n, QK_K)
+    return torch.sub(d * q, dm, out=_into(out, n, QK_K // 32)).reshape(n, QK_K)
 
 
-def q5_k(blocks):
+def q5_k(blocks, out=None):
     n = blocks.shape[0]
     d, dm = _k_scales(blocks, n)
     start = 4 + K_SCALE_SIZE
@@ -83,10 +91,10 @@ def q5_k(blocks):
     ql = _nibbles(blocks[:, start + QK_K // 8:], 32).reshape(n, -1, 32)
     shifts = torch.arange(8, device=blocks.device, dtype=torch.uint8).reshape(1, 8, 1)
     high = ((qh >> shifts) & 1).reshape(n, -1, 32)
-    return (d * (ql | (high << 4)).float() - dm).reshape(n, QK_K)
+    return torch.sub(d * (ql | (high << 4)).float(), dm, out=_into(out, n, QK_K // 32)).reshape(n, QK_K)
 
 
-def q6_k(blocks):
+def q6_k(blocks, out=None):
     n = blocks.shape[0]
     ql = _nibbles(blocks[:, :QK_K // 2], 64).reshape(n, -1, 32)
     qh = blocks[:, QK_K // 2:QK_K // 2 + QK_K // 4].reshape(n, -1, 1, 32)
@@ -94,8 +102,8 @@ def q6_k(blocks):
     qh = ((qh >> shifts) & 3).reshape(n, -1, 32)
     scales = blocks[:, QK_K // 2 + QK_K // 4:QK_K // 2 + QK_K // 4 + QK_K // 16].contiguous().view(torch.int8).float()
     d = (_f16(blocks, QK_K // 2 + QK_K // 4 + QK_K // 16) * scales).reshape(n, QK_K // 16, 1)
-    q = ((ql | (qh << 4)).to(torch.int8) - 32).reshape(n, QK_K // 16, -1).float()
-    return (d * q).reshape(n, QK_K)
+    q = ((ql | (qh << 4)).to(torch.int8) - 32).reshape(n, QK_K // 16, -1)
+    return torch.mul(d, q, out=_into(out, n, QK_K // 16)).reshape(n, QK_K)
 
 
 # type name -> (elements, bytes) of a block and its dequantization; the types ComfyUI-GGUF users
@@ -116,5 +124,6 @@ def dequantize(data: torch.Tensor, type_name: str, shape, dtype=torch.float32) -
     """The weights of ``shape`` that ``data`` (the tensor's bytes, uint8) holds in GGML type
     ``type_name``, in ``dtype`` (rounded from the float32 reference values)."""
     elements, nbytes, fn = TYPES[type_name]
-    values = fn(data.reshape(-1, nbytes))
-    return values.reshape(shape).to(dtype)
+    out = torch.empty(shape, dtype=dtype, device=data.device)
+    fn(data.reshape(-1, nbytes), out=out.view(-1, elements))
+    return out
