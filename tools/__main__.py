@@ -156,7 +156,7 @@ def _fp8(a):
 
 def _int8(a):
     rotated = f", ConvRot in groups of {a.convrot}" if a.convrot else ""
-    print(f"wrote {write_int8(a.src, a.out, a.convrot, a.full_precision_matmul)} (its layers' matrices int8 "
+    print(f"wrote {write_int8(a.src, a.out, a.convrot)} (its layers' matrices int8 "
           f"with a scale per row{rotated})")
 
 
@@ -207,8 +207,6 @@ def main(argv=None):
     i8.add_argument("--convrot", type=rotation, default=0,
                     help="rotate each row's groups of N inputs before quantizing (ConvRot; N a power of 4, "
                          "e.g. 256; default: not rotated)")
-    i8.add_argument("--full-precision-matmul", action="store_true",
-                    help="ask ComfyUI for full-precision matrix products (its dequantized weights) on every layer")
     i8.set_defaults(fn=_int8)
     c = sub.add_parser("ratio", help="compressed bytes of each streamed layer over its bf16 bytes")
     c.add_argument("--weights", type=weights_file, required=True, help="a Z-Image transformer .safetensors file")

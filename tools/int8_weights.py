@@ -4,7 +4,7 @@ rotated first as ComfyUI's ConvRot quantizer does (each row's groups of N inputs
 Hadamard matrix), and a ``.comfy_quant`` config per layer; everything else as stored. The files
 the int8 tests and benchmarks load.
 
-    python3 -m tools int8-weights SRC.safetensors OUT.safetensors [--convrot 256] [--full-precision-matmul]
+    python3 -m tools int8-weights SRC.safetensors OUT.safetensors [--convrot 256]
 """
 from __future__ import annotations
 
@@ -17,12 +17,10 @@ from zimage_core.int8_rows import hadamard
 from .fp8_weights import write_layers
 
 
-def write_int8(src, out, rotation: int = 0, full_precision: bool = False):
+def write_int8(src, out, rotation: int = 0):
     """``src`` as an int8_tensorwise file ``out``; ``rotation``: the ConvRot group size (0: not
-    rotated); ``full_precision``: each layer's config asks ComfyUI for full-precision matrix products
-    (its dequantized weights) instead of int8 ones."""
-    conf = {"format": "int8_tensorwise", **({"convrot": True, "convrot_groupsize": rotation} if rotation else {}),
-            **({"full_precision_matrix_mult": True} if full_precision else {})}
+    rotated)."""
+    conf = {"format": "int8_tensorwise", **({"convrot": True, "convrot_groupsize": rotation} if rotation else {})}
     config = torch.tensor(list(json.dumps(conf).encode()), dtype=torch.uint8)
 
     def quantize(name, w):
