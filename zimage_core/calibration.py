@@ -94,7 +94,7 @@ class Calibration:
         K-quant mix's matrices differ in type: the largest stands for them all)."""
         if self._layer_dequantize_s is None:
             s = self.streamer
-            t = max(s.masters.layer_blocks(s.order[-1]).values(), key=lambda t: t.data.numel())
+            t = max(s.masters.stored_blocks(s.order[-1]).values(), key=lambda t: t.data.numel())
             if t.type_name == "I8":  # a scale per row, and a matrix product where it is rotated
                 codes = t.codes().to(self.device)
                 scale, out = t.row_scale.to(self.device), torch.empty(t.shape, dtype=s.layout.dtype, device=self.device)

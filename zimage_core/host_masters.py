@@ -52,6 +52,7 @@ class HostMasters:
         self.runs = [None] * n               # their runs and tables on the device (``streamer``'s decode)
         self.blocks = [None] * n             # a quantized master's matrices: {name: GGUFTensor} views of it
         self.on_device = [None] * n          # a quantized layer's matrices kept on the device (``keep_on_device``)
+        self._unfilled = set()               # of those, the ones no upload has copied there yet
         # a quantized stream's layers as stored (their blocks' bytes, each matrix aligned)
         self.stored_bytes = [sum(_aligned(p.tensor.data.numel()) for parts in src.values() for _, p in parts)
                              for src in sources] if config.quantized else None
@@ -82,10 +83,21 @@ class HostMasters:
         return self.host[i] is not None and self.codes[i] is None and self.blocks[i] is None
 
     def layer_blocks(self, i) -> dict:
-        """A quantized layer's matrices as {name: GGUFTensor}: kept on the device, else views of its
-        master, else of the file."""
-        if self.on_device[i] is not None:
-            return self.on_device[i]
+        """A quantized layer's matrices as {name: GGUFTensor}, as an upload reads them: kept on the
+        device (copied there at the first upload that reads them, on its stream), else
+        ``stored_blocks``."""
+        kept = self.on_device[i]
+        if kept is None:
+            return self.stored_blocks(i)
+        if i in self._unfilled:
+            for name, t in self.stored_blocks(i).items():
+                kept[name].data.copy_(t.data, non_blocking=t.data.is_pinned())
+            self._unfilled.discard(i)
+        return kept
+
+    def stored_blocks(self, i) -> dict:
+        """A quantized layer's matrices as {name: GGUFTensor}: views of its host master, else of the
+        file."""
         if self.blocks[i] is not None:
             return self.blocks[i]
         pieces = {name: parts[0][1] for name, parts in self.sources[i].items()}
@@ -117,19 +129,25 @@ class HostMasters:
 
     def keep_on_device(self, layers):
         """The quantized blocks of ``layers`` (and no others) kept on the device in one buffer a
-        layer, copied there once from the master or the file: such a layer is dequantized into its
-        slot from there as it comes, nothing crossing the bus (``planner``: a layer's blocks take
-        a third to a half of its dequantized bytes). The others' buffers go first, so a smaller set
-        needs no extra memory. The uploads must not be reading them (the caller has waited)."""
+        layer, copied there once, by the first upload that reads them (on the upload thread, so a
+        split that brings blocks back after another model took their room costs the next forward's
+        uploads, not the caller): such a layer is dequantized into its slot from there as it comes,
+        nothing crossing the bus (``planner``: a layer's blocks take a third to a half of its
+        dequantized bytes). The others' buffers go first, so a smaller set needs no extra memory.
+        The uploads must not be reading them (the caller has waited)."""
         layers = set(layers)
         for i in range(len(self.on_device)):
             if i not in layers:
                 self.on_device[i] = None
+                self._unfilled.discard(i)
         for i in sorted(layers):
-            if self.on_device[i] is not None:
-                continue
-            self.on_device[i] = self._blocks_into(i, torch.empty(self.stored_bytes[i], dtype=torch.uint8,
-                                                                 device=self.device))
+            if self.on_device[i] is None:
+                buf, kept, o = torch.empty(self.stored_bytes[i], dtype=torch.uint8, device=self.device), {}, 0
+                for name, t in self.stored_blocks(i).items():
+                    kept[name] = dataclasses.replace(t, data=buf[o:o + t.data.numel()])
+                    o += _aligned(t.data.numel())
+                self.on_device[i] = kept
+                self._unfilled.add(i)
 
     def make_master(self, i, dst=None, plain=False) -> bool:
         """Pack layer i into a master from the pool, if it has room: compressed where the stream
@@ -175,10 +193,10 @@ class HostMasters:
         return True
 
     def _blocks_into(self, i, buf) -> dict:
-        """Layer i's quantized matrices (from its master or the file) copied into ``buf``, each
-        aligned: {name: GGUFTensor} views of it."""
+        """Layer i's quantized matrices (from the file) copied into ``buf``, each aligned:
+        {name: GGUFTensor} views of it."""
         blocks, o = {}, 0
-        for name, t in self.layer_blocks(i).items():
+        for name, t in self.stored_blocks(i).items():
             n = t.data.numel()
             buf[o:o + n].copy_(t.data)
             blocks[name] = dataclasses.replace(t, data=buf[o:o + n])
@@ -255,6 +273,7 @@ class HostMasters:
             self.pool.free(self.host[i])
             self.host[i], self.codes[i], self.runs[i], self.blocks[i] = buf, None, None, None
         self.on_device[i] = None  # the layer is its plain master's now
+        self._unfilled.discard(i)
         if self.host[i] is None and not self.make_master(i, plain=True):
             buf = torch.empty(self.layout.numel, dtype=self.layout.dtype)
             self.layout.fill(buf, self.sources[i])
@@ -316,6 +335,6 @@ class HostMasters:
         """Drop every master and staging buffer (pinned memory goes back to the OS)."""
         n = len(self.sources)
         self.host, self.codes, self.runs, self.blocks = [None] * n, [None] * n, [None] * n, [None] * n
-        self.on_device = [None] * n
+        self.on_device, self._unfilled = [None] * n, set()
         self._staging, self._stage_next = [], 0
         self.pool.release_all()
