@@ -7,7 +7,7 @@ import time
 import comfy.model_management as mm
 import torch
 
-from ..zimage_core import environment, planner
+from ..zimage_core import environment, planner, plans
 from ..zimage_core.config import FULL
 from ..zimage_core.errors import TextEncoderError
 from ..zimage_core.host_memory import BUDGET
@@ -85,10 +85,10 @@ def encode(clip, text):
 def _say_if_long(conditioning):
     """A prompt longer than Z-Image was trained on still works, and makes every step slower: say so."""
     tokens = max(c.shape[1] for c, _ in conditioning)
-    if tokens > planner.TEXT_TOKENS:
+    if tokens > plans.TEXT_TOKENS:
         log.warning("Z-Image: this prompt is %d tokens; Z-Image-Turbo was trained on prompts of up to %d. Longer "
                     "ones are outside what it learned, and every step takes longer (the transformer plans for "
-                    "%d prompt tokens).", tokens, planner.TEXT_TOKENS, planner.text_tokens_to_plan(tokens))
+                    "%d prompt tokens).", tokens, plans.TEXT_TOKENS, plans.text_tokens_to_plan(tokens))
 
 
 def _check_finite(conditioning):

@@ -11,7 +11,8 @@ import torch
 from conftest import TINY
 from zimage_core.config import FULL
 from zimage_core.layout import streamed_in_order
-from zimage_core.planner import Limits, host_room, one_layer_less, plan, room_for_another
+from zimage_core.planner import host_room, one_layer_less, plan, room_for_another
+from zimage_core.plans import Limits
 from zimage_core.simulation import simulate_step
 
 GiB = 1 << 30
@@ -326,7 +327,7 @@ def test_a_plan_is_a_value_made_under_its_limits():
 def test_a_long_prompt_is_planned_for_its_length():
     """512 tokens (what Z-Image was trained on) or the prompt's length rounded up to 512s: a 3,962-token
     prompt's activations are planned for, so a card that fits a short prompt's split may keep fewer layers."""
-    from zimage_core.planner import text_tokens_to_plan
+    from zimage_core.plans import text_tokens_to_plan
     assert [text_tokens_to_plan(n) for n in (1, 512, 513, 3962)] == [512, 512, 1024, 4096]
     short = plan(FULL, int(7.5 * 2**30), 1024, 1024)
     long = plan(FULL, int(7.5 * 2**30), 1024, 1024, text_tokens=4096)

@@ -3,7 +3,8 @@ Imports only torch (and the standard library); ComfyUI is met in ``zimage_core.b
 from .checkpoint import Checkpoint
 from .config import ZImageConfig
 from .errors import CheckpointError, OutOfDeviceMemory, ZImageError
-from .planner import Plan, plan
+from .planner import plan
+from .plans import Plan
 from .transformer import ZImageTransformer
 
 __all__ = ["Checkpoint", "ZImageConfig", "CheckpointError", "OutOfDeviceMemory", "ZImageError", "Plan", "plan",

@@ -82,7 +82,7 @@ def run(ap, argv):
 
 
 def _plan(a):
-    from . import planner
+    from . import planner, plans
     if a.vram_gib is not None:
         free = int(a.vram_gib * GiB)
     elif torch.cuda.is_available():
@@ -98,7 +98,7 @@ def _plan(a):
     else:  # RAM that cannot be read leaves the masters unbounded, but for the cap
         unbounded = planner.host_room(FULL, 1 << 62, storage=storage)
         layers_room = None if env.pinned_cap is None else unbounded.for_masters(env.pinned_cap)
-    p = planner.plan(FULL, free, a.width, a.height, a.batch, planner.Limits(host_room=layers_room), storage=storage,
+    p = planner.plan(FULL, free, a.width, a.height, a.batch, plans.Limits(host_room=layers_room), storage=storage,
                      compress="on" if a.compress else env.compression)
     if a.json:
         print(json.dumps(dict(p.as_dict(), host=None if host is None else host.as_dict())))

@@ -16,7 +16,7 @@ A plan is a value: the limits it was made under are among its inputs, and nothin
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
@@ -25,6 +25,7 @@ from .config import ZImageConfig
 from .device_memory import CODEC_BYTES, GiB, HOST_RESERVE, activation_bytes, device_margin
 from .image_size import ImageSize
 from .layout import PackLayout, residency_order, staging_bytes, streamed_in_order
+from .plans import TEXT_TOKENS, Limits, Plan
 from .ram import cache_headroom
 from .simulation import block_costs, pinned_needed, simulate_step, step_with_pinned
 
@@ -60,129 +61,6 @@ def host_room(cfg: ZImageConfig, available: int, storage=torch.bfloat16, dtype=t
     return HostRoom(available, headroom, host_memory.WORKING_MARGIN, fixed, layers)
 
 
-TEXT_TOKENS = 512  # the longest prompt Z-Image was trained on, in tokens: what a plan assumes at least
-
-
-def text_tokens_to_plan(n: int) -> int:
-    """The prompt tokens a plan is made for: 512, or a longer prompt's length rounded up to a
-    multiple of 512 (prompts of about the same length share a plan instead of re-planning)."""
-    return max(TEXT_TOKENS, -(-int(n) // TEXT_TOKENS) * TEXT_TOKENS)
-
-
-@dataclass(frozen=True)
-class Limits:
-    """What a plan may use, given as one value: the user's settings and what the host has room for."""
-    max_resident: int | None = None  # the most layers kept on the device (None: as many as fit)
-    resident: int | None = None      # exactly this many, fitting or not (a benchmark's or a test's split)
-    leave_free: int = 0              # bytes of device memory left to others
-    host_room: int | None = None     # host bytes the streamed layers' masters may take (None: what they need)
-
-
-@dataclass(frozen=True)
-class Plan:
-    width: int
-    height: int
-    batch: int
-    free_bytes: int                # what the plan had (the device's free memory, less what it leaves to others)
-    resident_layers: int
-    streamed_layers: int
-    slots: int
-    layer_bytes: int               # on the device
-    fixed_bytes: int
-    activation_bytes: int
-    device_bytes: int
-    fits: bool
-    on_cpu: bool = False           # computed on the CPU: every layer in host memory, RAM is the limit
-    needed_bytes: int = 0          # the least this size needs (with every layer streamed, on a GPU)
-    largest_fitting: tuple | None = None  # (width, height) of the same shape that fits, when this does not
-    master_bytes: int = 0          # host bytes of one pinned master (less than layer_bytes where compressed)
-    staging_bytes: int = 0         # host bytes of the staging ring the uploads from the file go through
-    text_tokens: int = TEXT_TOKENS  # the prompt's tokens it was planned for (``text_tokens_to_plan``)
-    step_s: float | None = None    # its simulated step in seconds, where the device's balance was measured
-    quantized: bool = False        # the layers stream as the file's quantized blocks (``master_bytes`` a layer's)
-    block_layers: int = 0          # of the streamed layers, those whose blocks the device keeps (``blocks_on_device``)
-    masters: frozenset = field(default_factory=frozenset)  # streamed layers that get a master where the RAM has room
-    pinned: frozenset = field(default_factory=frozenset)   # of those, the ones the host room holds
-
-    @property
-    def compressed(self) -> bool:
-        """Streamed layers get compressed masters (``compression``)."""
-        return self.master_bytes < self.layer_bytes and not self.quantized
-
-    @property
-    def pinned_layers(self) -> int:
-        return len(self.pinned)
-
-    @property
-    def file_layers(self) -> int:
-        """Streamed layers read from the file (page cache) at every upload."""
-        return self.streamed_layers - self.block_layers - len(self.pinned)
-
-    @property
-    def blocks_on_device(self) -> frozenset:
-        """The streamed layers of a quantized stream whose blocks stay on the device, dequantized into
-        a slot as each runs (nothing crosses the bus for them): the next ``block_layers`` of
-        ``residency_order`` after the resident ones, spread through the stack as those are."""
-        n = self.resident_layers + self.streamed_layers
-        return frozenset(residency_order(n)[self.resident_layers:self.resident_layers + self.block_layers])
-
-    @property
-    def ram_short(self) -> int:
-        """Of those, layers a master would make faster, for which the RAM has no room."""
-        return len(self.masters) - len(self.pinned)
-
-    @property
-    def pinned_host_bytes(self) -> int:
-        return len(self.pinned) * self.master_bytes
-
-    @property
-    def host_bytes(self) -> int:
-        """What the model holds in host memory under this plan: the fixed part, the staging ring and
-        the pinned masters (what the host budget keeps for it, whichever model's pools come first)."""
-        return self.fixed_bytes + self.staging_bytes + self.pinned_host_bytes
-
-    def as_dict(self):
-        out = asdict(self)
-        out.update(masters=sorted(self.masters), pinned=sorted(self.pinned), pinned_layers=self.pinned_layers,
-                   blocks_on_device=sorted(self.blocks_on_device),
-                   file_layers=self.file_layers, ram_short=self.ram_short, pinned_host_bytes=self.pinned_host_bytes)
-        return out
-
-    def summary(self) -> str:
-        n = self.resident_layers + self.streamed_layers
-        size = f"{self.width}x{self.height}{'' if self.batch == 1 else f', batch {self.batch}'}"
-        if self.text_tokens > TEXT_TOKENS:
-            size += f", a prompt of up to {self.text_tokens} tokens"
-        memory = "RAM" if self.on_cpu else "GPU memory"
-        if not self.fits:
-            if self.largest_fitting:
-                w, h = self.largest_fitting
-                hint = f"Try {w}x{h}{' or a smaller batch' if self.batch > 1 else ''} or free {memory}"
-            else:
-                hint = f"Free {memory}: not even the smallest image fits"
-            return (f"Z-Image: {size} does not fit: it needs at least {_gib(self.needed_bytes)} of {memory}, "
-                    f"this {'machine' if self.on_cpu else 'card'} has {_gib(self.free_bytes)} free. {hint}.")
-        if self.on_cpu:
-            return f"Z-Image: on the CPU, all {n} layers in host memory ({size})"
-        return split_line(self.resident_layers, self.block_layers, n, self.sources()) + f" ({size})"
-
-    def sources(self) -> str:
-        """How the streamed layers come, when not all plain from pinned memory: " (compressed, 16
-        pinned, 5 from the page cache)"."""
-        if self.on_cpu or not self.streamed_layers - self.block_layers:
-            return ""
-        parts = (["compressed"] if self.compressed else []) + (
-            [f"{self.pinned_layers} pinned, {self.file_layers} from the page cache"] if self.file_layers else [])
-        return f" ({', '.join(parts)})" if parts else ""
-
-
-def split_line(resident: int, blocks: int, n: int, sources: str = "") -> str:
-    """The one-line split: "Z-Image: 4 of 34 layers on the GPU, 22 more as their quantized blocks,
-    8 streamed (8 pinned)"."""
-    kept = f", {blocks} more as their quantized blocks" if blocks else ""
-    return f"Z-Image: {resident} of {n} layers on the GPU{kept}, {n - resident - blocks} streamed{sources}"
-
-
 def _host_sets(n: int, resident: int, masters: int, pinned: int, blocks: int = 0) -> dict:
     """The ``masters`` and ``pinned`` sets of a plan: the first streamed layers to run that do not
     keep their blocks on the device (masters are made at a layer's first upload, in the order the
@@ -212,10 +90,6 @@ def _within(p: Plan, limits: Limits) -> Plan:
     device = p.fixed_bytes + p.activation_bytes + (r + slots) * p.layer_bytes if not p.on_cpu else p.device_bytes
     return replace(p, resident_layers=r, streamed_layers=streamed, slots=slots, device_bytes=device, step_s=None,
                    **_host_sets(n, r, streamed, _pinned_count(streamed, limits.host_room, p.master_bytes)))
-
-
-def _gib(b):
-    return f"{b / GiB:.2f} GiB"
 
 
 def _largest_fitting(width, height, batch, fits) -> tuple | None:

@@ -2,7 +2,7 @@
 masters have, and the device's balance of compute and bus, measured once per image size."""
 from __future__ import annotations
 
-from . import compression, planner
+from . import compression, planner, plans
 from .calibration import Calibration
 from .dit import cpu_chunks
 from .settings import Settings
@@ -15,9 +15,9 @@ class SplitPlanner:
         self.device = streamer.device
         self.calibration = Calibration(cfg, dtype, streamer)
 
-    def limits(self, resident: int | None = None) -> planner.Limits:
+    def limits(self, resident: int | None = None) -> plans.Limits:
         """The limits of the next plan: the settings, and the host room the masters have."""
-        return planner.Limits(max_resident=self.settings.max_resident, resident=resident,
+        return plans.Limits(max_resident=self.settings.max_resident, resident=resident,
                               leave_free=self.settings.leave_free, host_room=self.host_room())
 
     def host_room(self) -> int | None:
@@ -29,7 +29,7 @@ class SplitPlanner:
         m = s.masters
         return m.master_layers * m.master_bytes + max(0, s.pool.room() - m.staging_due())
 
-    def plan(self, width, height, batch, free: int, text_tokens: int, resident: int | None, make_room) -> planner.Plan:
+    def plan(self, width, height, batch, free: int, text_tokens: int, resident: int | None, make_room) -> plans.Plan:
         """The plan for an image of this size with ``free`` bytes of device memory (the CPU: of RAM);
         ``resident``: a forced split. ``make_room()`` evicts a resident layer (False once none is
         left), for the measurement on a card the current split fills."""

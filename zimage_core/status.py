@@ -9,7 +9,8 @@ import logging
 import torch
 
 from . import compression, host_memory
-from .planner import GiB, Plan, split_line
+from .device_memory import GiB
+from .plans import Plan, split_line
 
 log = logging.getLogger("zimage")
 

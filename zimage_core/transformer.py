@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from . import attention_input, compression, device_memory, elementwise, host_memory, planner
+from . import attention_input, compression, device_memory, elementwise, host_memory, planner, plans
 from .checkpoint import Checkpoint
 from .config import BIG_KEYS, ZImageConfig
 from .device_copies import DeviceCopies, module_tensors
@@ -76,7 +76,7 @@ class ZImageTransformer(torch.nn.Module):
         self.storage_dtype = streamer.layout.dtype
         self.device = streamer.device
         self.settings = settings
-        self.plan: planner.Plan | None = None
+        self.plan: plans.Plan | None = None
         self.status = SplitStatus(self.cfg, streamer, settings)
         self.planner = SplitPlanner(self.cfg, self.dtype, streamer, settings)
         checks = FiniteChecks(self.cfg.n_blocks)
@@ -200,7 +200,7 @@ class ZImageTransformer(torch.nn.Module):
         return device_free_bytes(self.device) + self.device_bytes()
 
     def prepare(self, width, height, batch=1, resident_layers=None, free_bytes=None,
-                text_tokens=planner.TEXT_TOKENS) -> planner.Plan:
+                text_tokens=plans.TEXT_TOKENS) -> plans.Plan:
         """Set the split for an image of this size and a prompt of up to ``text_tokens`` tokens:
         planned, or forced to ``resident_layers``."""
         free = self.free_bytes() if free_bytes is None else free_bytes
@@ -222,7 +222,7 @@ class ZImageTransformer(torch.nn.Module):
         self.status.planned(p)
         return p
 
-    def restore_split(self) -> planner.Plan | None:
+    def restore_split(self) -> plans.Plan | None:
         """The split of the last image again, with the memory there is now (layers another model
         borrowed come back); None before the first image."""
         p = self.plan
@@ -303,7 +303,7 @@ class ZImageTransformer(torch.nn.Module):
     def forward(self, x, timesteps, context, num_tokens=None, attention_mask=None, transformer_options={}, **kw):
         self.to_device()
         size = ImageSize.of_latent(x.shape)
-        tokens = planner.text_tokens_to_plan(context.shape[1])
+        tokens = plans.text_tokens_to_plan(context.shape[1])
         if self.plan is None or (self.plan.width, self.plan.height, self.plan.batch, self.plan.text_tokens) != (
                 size.width, size.height, size.batch, tokens) or (self.streamer.n_streamed and not self.streamer.slots):
             self.prepare(size.width, size.height, size.batch, text_tokens=tokens)
