@@ -154,6 +154,12 @@ def test_plan_command(capsys):
     assert host["available"] == 28 * GiB and host["layers"] > 0
     code, _, err = _plan_here(capsys, "--vram-gib", "8", "--width", "1000")
     assert code != 0 and "multiples of 16" in err
+    # a GGUF's plan: its layers kept on the card as their blocks where they fit
+    code, q4, _ = _plan_here(capsys, "--vram-gib", "5.8", "--ram-gib", "16", "--quant", "Q4_K_M")
+    assert code == 0 and "34 of 34 layers on the GPU (34 as their quantized blocks)" in q4, q4
+    assert "34 of them kept on the GPU as their blocks" in q4
+    code, _, err = _plan_here(capsys, "--vram-gib", "5.8", "--quant", "IQ4_NL")
+    assert code != 0 and "invalid choice: 'IQ4_NL'" in err
 
 
 def test_bench_command_on_cpu(tiny_file):
@@ -399,17 +405,21 @@ def test_a_plan_says_its_simulated_step_in_seconds():
 
 
 def test_a_quantized_file_keeps_its_blocks_on_a_card_too_small_for_its_layers():
-    """A layer's blocks take a third (Q4_K) to a half (Q8_0) of its bf16 bytes and spare the bus
-    as a resident layer does: a Q4_K_M file on a 6 GB card keeps every layer on the device (the
-    resident ones dequantized, the others as blocks), nothing crosses and no host master is made;
+    """A layer's blocks take a third (Q4_K_M) to a half (Q8_0) of its bf16 bytes and spare the bus
+    as a resident layer does: a Q4_K_M file on a 6 GB card (5.8 GiB free) keeps every layer on the
+    device (the resident ones dequantized, the others as blocks), nothing crosses and no host master is made;
     Q8_0 on a 4 GB card keeps the blocks the slots leave room for and streams the rest. The plan's
     device bytes count the blocks, and its line says where the layers are."""
+    from zimage_core import quants
+    from zimage_core.layout import ALIGN
     layer = plan(FULL, int(5.5 * GiB), 1024, 1024).layer_bytes
-    q4 = plan(FULL, int(5.5 * GiB), 1024, 1024, stored=int(layer * 0.28))
+    stored = {q: quants.stored_bytes(FULL.big_shapes, q, ALIGN) for q in ("Q4_K_M", "Q8_0")}
+    assert 0.3 < stored["Q4_K_M"] / layer < 0.32 and 0.53 < stored["Q8_0"] / layer < 0.54
+    q4 = plan(FULL, int(5.8 * GiB), 1024, 1024, stored=stored["Q4_K_M"])
     assert q4.fits and q4.resident_layers + q4.block_layers == FULL.n_blocks
     assert not q4.masters and not q4.pinned and q4.file_layers == 0 and q4.device_bytes <= q4.free_bytes
-    assert "more as their quantized blocks, 0 streamed" in q4.summary()
-    q8 = plan(FULL, int(3.5 * GiB), 1024, 1024, stored=int(layer * 0.53))
+    assert q4.summary().startswith("Z-Image: 34 of 34 layers on the GPU (34 as their quantized blocks), 0 streamed")
+    q8 = plan(FULL, int(3.5 * GiB), 1024, 1024, stored=stored["Q8_0"])
     assert 0 < q8.block_layers < q8.streamed_layers and q8.device_bytes <= q8.free_bytes
     assert q8.blocks_on_device.isdisjoint(q8.masters) and len(q8.masters) == q8.streamed_layers - q8.block_layers
     assert q8.device_bytes == (q8.fixed_bytes + q8.activation_bytes + (q8.resident_layers + q8.slots) * layer

@@ -11,23 +11,19 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from zimage_core import quants
 from zimage_core.checkpoint import COMFY_PREFIX, Checkpoint
 from zimage_core.config import BIG_KEYS
 
-BIG = tuple(f"{key}.weight" for key in BIG_KEYS.values())
+BIG = {f"{key}.weight": name for name, key in BIG_KEYS.items()}  # a matrix's key ending -> its name
 PLAIN = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
 # a K-quant block's float16 scales: byte offsets, and how many steps of its codes a weight's spread spans
 K_SCALES = {"Q4_K": ([0, 2], 32 * 8), "Q5_K": ([0, 2], 32 * 16), "Q6_K": ([208], 32 * 32)}
-# mixes as llama.cpp's quantizer names them: the medium K-quant keeps the feed-forward's down
-# projection (w2) at 6 bits and stores the other matrices in 4
-MIXES = {"Q4_K_M": {"": "Q4_K", "feed_forward.w2.weight": "Q6_K"}}
-QUANTS = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q4_K", "Q5_K", "Q6_K", *MIXES]
+QUANTS = [*quants.TYPES, *quants.MIXES]
 
 
 def random_k_blocks(values: np.ndarray, quant: str, seed: int) -> np.ndarray:
     """Random valid ``quant`` blocks ([rows, bytes]) for a matrix shaped like ``values``."""
-    from zimage_core import quants
-
     per, nbytes, _ = quants.TYPES[quant]
     rows = values.shape[0]
     g = np.random.default_rng(seed)
@@ -50,14 +46,14 @@ def write_gguf(src, out, quant: str = "Q8_0", prefix: bool = False):
     ``model.diffusion_model.``, as files saved from inside ComfyUI have them."""
     import gguf
 
-    mix = MIXES.get(quant, {"": quant})
     ck = Checkpoint(src)
     writer = gguf.GGUFWriter(str(out), "lumina2")
     try:
         for key in ck.keys():
             name = COMFY_PREFIX * prefix + key
-            if key.endswith(BIG):
-                kind = next((q for end, q in mix.items() if end and key.endswith(end)), mix[""])
+            matrix = next((m for end, m in BIG.items() if key.endswith(end)), None)
+            if matrix is not None:
+                kind = quants.matrix_types(quant, [matrix])[matrix]
                 values = ck.tensor(key, dtype=torch.float32).numpy()
                 blocks = (random_k_blocks(values, kind, seed=len(name)) if kind in K_SCALES
                           else gguf.quants.quantize(values, getattr(gguf.GGMLQuantizationType, kind)))

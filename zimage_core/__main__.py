@@ -9,7 +9,7 @@ import sys
 
 import torch
 
-from . import environment, ram
+from . import environment, quants, ram
 from .config import FULL
 from .errors import ZImageError
 from .image_size import MAX_SIDE, is_side, nearest_side
@@ -83,6 +83,7 @@ def run(ap, argv):
 
 def _plan(a):
     from . import planner, plans
+    from .layout import ALIGN
     if a.vram_gib is not None:
         free = int(a.vram_gib * GiB)
     elif torch.cuda.is_available():
@@ -98,8 +99,13 @@ def _plan(a):
     else:  # RAM that cannot be read leaves the masters unbounded, but for the cap
         unbounded = planner.host_room(FULL, 1 << 62, storage=storage)
         layers_room = None if env.pinned_cap is None else unbounded.for_masters(env.pinned_cap)
+    stored = None
+    if a.quant:  # the layers stream as the file stores them (a GGUF's blocks, an int8 or scaled fp8 file's bytes)
+        shapes = FULL.big_shapes
+        stored = (sum(-(-h * w // ALIGN) * ALIGN for h, w in shapes.values()) if a.quant == "int8"
+                  else quants.stored_bytes(shapes, a.quant, ALIGN))
     p = planner.plan(FULL, free, a.width, a.height, a.batch, plans.Limits(host_room=layers_room), storage=storage,
-                     compress="on" if a.compress else env.compression)
+                     compress="on" if a.compress else env.compression, stored=stored)
     if a.json:
         print(json.dumps(dict(p.as_dict(), host=None if host is None else host.as_dict())))
     else:
@@ -107,13 +113,15 @@ def _plan(a):
         print(p.summary())
         print(f"  free device memory   {g(p.free_bytes)}")
         print(f"  resident layers      {p.resident_layers}")
-        print(f"  streamed layers      {p.streamed_layers}")
+        print(f"  streamed layers      {p.streamed_layers}"
+              + (f", {p.block_layers} of them kept on the GPU as their blocks ({g(p.block_layers * p.master_bytes)})"
+                 if p.block_layers else ""))
         print(f"  slots                {p.slots} x {g(p.layer_bytes)}")
         print(f"  activation estimate  {g(p.activation_bytes)}")
         print(f"  fixed part           {g(p.fixed_bytes)}")
         print(f"  device bytes         {g(p.device_bytes)}")
         print(f"  pinned host bytes    {g(p.pinned_host_bytes)} (the streamed layers"
-              f"{', compressed' if p.master_bytes < p.layer_bytes else ''})")
+              f"{', compressed' if p.compressed else ', as stored' if p.quantized else ''})")
         if host is not None:
             print(f"  host RAM available   {g(host.available)}: ComfyUI keeps {g(host.headroom)} free, a run "
                   f"needs {g(host.working)}, staging and fixed part {g(host.fixed)}")
@@ -142,6 +150,10 @@ def main(argv=None):
                    help=f"images made at once, 1 to {MAX_BATCH} (default 1)")
     p.add_argument("--ram-gib", type=gib(), help="host RAM available, in GiB (default: measured)")
     p.add_argument("--fp8", action="store_true", help="plan for an fp8 e4m3fn checkpoint")
+    p.add_argument("--quant", choices=[*quants.TYPES, *quants.MIXES, "int8"],
+                   help="plan for a GGUF of this type (Q4_K_M: Q4_K with w2 in Q6_K), or int8 for ComfyUI's int8 "
+                        "and scaled fp8 files (a byte a weight): the layers stream as stored, and the card keeps "
+                        "those it has room for as their blocks")
     p.add_argument("--compress", action="store_true",
                    help="with the streamed layers' masters stored compressed, as ZIMAGE_COMPRESSION=on (default: "
                         "ZIMAGE_COMPRESSION, as the nodes read it; ZIMAGE_PINNED_GIB caps the pinned masters)")

@@ -277,7 +277,7 @@ def _plan(cfg, free_bytes, width, height, batch, storage, dtype, compute_copy_ra
 def _blocks_split(n, room, layer, stored, r, k, step_of) -> tuple:
     """(resident, slots, layers keeping their blocks on the device) for a quantized stream that does
     not fit whole as dequantized layers, ``(r, k)`` its split without kept blocks. A layer's
-    blocks take ``stored`` bytes on the device (1/1.9 of a bf16 layer at Q8_0, 1/3.5 at Q4_K) and
+    blocks take ``stored`` bytes on the device (0.53 of a bf16 layer at Q8_0, 0.31 at Q4_K_M) and
     spare the bus and the host as much as a resident layer does, but are dequantized into a slot
     as they come. The candidates: every layer's blocks on the device beside two slots, the room
     left making layers resident; and ``r' <= r`` resident layers with ``k`` slots, blocks filling

@@ -126,10 +126,10 @@ class Plan:
 
 
 def split_line(resident: int, blocks: int, n: int, sources: str = "") -> str:
-    """The one-line split: "Z-Image: 4 of 34 layers on the GPU, 22 more as their quantized blocks,
-    8 streamed (8 pinned)"."""
-    kept = f", {blocks} more as their quantized blocks" if blocks else ""
-    return f"Z-Image: {resident} of {n} layers on the GPU{kept}, {n - resident - blocks} streamed{sources}"
+    """The one-line split: "Z-Image: 26 of 34 layers on the GPU (22 as their quantized blocks), 8
+    streamed (8 pinned)"."""
+    kept = f" ({blocks} as their quantized blocks)" if blocks else ""
+    return f"Z-Image: {resident + blocks} of {n} layers on the GPU{kept}, {n - resident - blocks} streamed{sources}"
 
 
 def _gib(b):

@@ -120,6 +120,28 @@ TYPES = {
 }
 
 
+# mixes as llama.cpp's quantizer names them: the medium K-quant keeps the feed-forward's down
+# projection (w2) at 6 bits and stores the other matrices in 4
+MIXES = {"Q4_K_M": {"": "Q4_K", "w2": "Q6_K"}}
+
+
+def matrix_types(quant: str, names) -> dict:
+    """{matrix name: GGML type} of a layer's matrices ``names`` in ``quant`` (a type or a mix)."""
+    mix = MIXES.get(quant, {"": quant})
+    return {name: mix.get(name, mix[""]) for name in names}
+
+
+def stored_bytes(shapes: dict, quant: str, align: int = 1) -> int:
+    """A layer's bytes with its matrices ({name: shape}) stored in ``quant``, each rounded up to
+    ``align``: what its master and its kept blocks take."""
+    total = 0
+    for name, kind in matrix_types(quant, shapes).items():
+        elements, nbytes, _ = TYPES[kind]
+        n = -(-shapes[name][0] * shapes[name][1] // elements) * nbytes
+        total += -(-n // align) * align
+    return total
+
+
 def dequantize(data: torch.Tensor, type_name: str, shape, dtype=torch.float32) -> torch.Tensor:
     """The weights of ``shape`` that ``data`` (the tensor's bytes, uint8) holds in GGML type
     ``type_name``, in ``dtype`` (rounded from the float32 reference values)."""
