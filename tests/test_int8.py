@@ -112,3 +112,33 @@ def test_a_malformed_int8_file_is_refused_by_name(tmp_path, tiny_file, change, m
     path = _rewrite(write_int8(tiny_file, tmp_path / "int8.safetensors", 256), change)
     with pytest.raises(CheckpointError, match=message):
         Checkpoint(path)
+
+
+def test_a_patch_on_an_int8_file_patches_its_dequantized_weights(tmp_path, tiny_file):
+    """A weight patch (a LoRA's place, ``set_patch``) reaches an int8 layer's dequantized values where
+    they land, streamed, resident and kept on the device alike: the output of the same patch on the
+    weights ComfyUI dequantizes; removed, the layer is its own again."""
+    from test_streaming import _Scale
+    path = str(write_int8(tiny_file, tmp_path / "tiny_int8.safetensors", 256))
+    save_file(comfy_dequantized(path, torch.float32), str(tmp_path / "ref.safetensors"))
+    x, t, ctx = inputs(TINY)
+    ref = ZImageTransformer.load(str(tmp_path / "ref.safetensors"), device="cpu", dtype="fp32")
+    m = ZImageTransformer.load(path, device="cpu", dtype="fp32")
+    try:
+        ref.prepare(64, 48, resident_layers=TINY.n_blocks)
+        m.prepare(64, 48, resident_layers=1)
+        base = m(x, t, ctx)
+        s = m.streamer
+        layers = [s.order[0], s.order[-1]]  # one resident, one streamed
+        ref.streamer.set_patch(_Scale(layers, "w2", 1.5))
+        patched = ref(x, t, ctx)
+        s.set_patch(_Scale(layers, "w2", 1.5))
+        for resident, blocks in ((1, 0), (0, 0), (1, TINY.n_blocks - 1), (TINY.n_blocks, 0)):
+            s.configure(resident, 2, blocks)
+            assert torch.equal(m(x, t, ctx), patched), (resident, blocks)
+        s.set_patch(None)
+        s.configure(1, 2)
+        assert torch.equal(m(x, t, ctx), base)
+    finally:
+        m.release()
+        ref.release()
