@@ -17,7 +17,7 @@ from .safetensors_file import FileChanged
 
 ARCHITECTURES = ("lumina2",)    # what ComfyUI-GGUF's converter names a Z-Image (Lumina 2 family) file
 PREFIX = "model.diffusion_model."
-# stored types that need no dequantization, only a cast (F8_E4M3: a scaled fp8 file's, ``scaled_fp8``)
+# stored types that need no dequantization, only a cast (F8_E4M3: a scaled fp8 file's, ``comfy_quant``)
 PLAIN = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F8_E4M3": torch.float8_e4m3fn}
 _FIX = "Pick a Z-Image-Turbo GGUF (e.g. z_image_turbo-Q8_0.gguf) in models/diffusion_models."
 
