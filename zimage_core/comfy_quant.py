@@ -46,6 +46,11 @@ def _layer_formats(f: SafetensorsFile) -> dict:
     return formats
 
 
+def _format(conf) -> str | None:
+    """A layer's quant format: its config's ``format``, or the config itself where it is the name."""
+    return conf.get("format") if isinstance(conf, dict) else conf
+
+
 def open_scaled(f: SafetensorsFile):
     """``f`` as a ``ScaledFile`` where it is a scaled or mixed-precision export, else ``f``."""
     keys = f.keys()
@@ -55,15 +60,14 @@ def open_scaled(f: SafetensorsFile):
     formats = _layer_formats(f)
     int8 = {k for k in keys if f.entries[k]["dtype"] == "I8"}
     for k in sorted(int8):
-        conf = formats.get(k.removesuffix(".weight"))
-        if (conf.get("format") if isinstance(conf, dict) else conf) != "int8_tensorwise":
+        if _format(formats.get(k.removesuffix(".weight"))) != "int8_tensorwise":
             raise CheckpointError(f.path, f"stores {k} as int8 without ComfyUI's int8_tensorwise quant config "
                                           "for it: its values cannot be told.", _FIX)
     if not (legacy or formats or scale_of):
         return f
     rotations = {}
     for layer, conf in formats.items():
-        fmt = conf.get("format") if isinstance(conf, dict) else conf
+        fmt = _format(conf)
         if fmt not in FORMATS:
             raise CheckpointError(f.path, f"stores {layer} in ComfyUI's quant format {fmt!r}, which this pack "
                                           f"cannot read (it reads {', '.join(FORMATS)}).", _FIX)

@@ -90,8 +90,7 @@ class HostMasters:
         if kept is None:
             return self.stored_blocks(i)
         if i in self._unfilled:
-            for name, t in self.stored_blocks(i).items():
-                kept[name].data.copy_(t.data, non_blocking=t.data.is_pinned())
+            self._fill(kept, i)
             self._unfilled.discard(i)
         return kept
 
@@ -142,11 +141,8 @@ class HostMasters:
                 self._unfilled.discard(i)
         for i in sorted(layers):
             if self.on_device[i] is None:
-                buf, kept, o = torch.empty(self.stored_bytes[i], dtype=torch.uint8, device=self.device), {}, 0
-                for name, t in self.stored_blocks(i).items():
-                    kept[name] = dataclasses.replace(t, data=buf[o:o + t.data.numel()])
-                    o += _aligned(t.data.numel())
-                self.on_device[i] = kept
+                self.on_device[i] = self._laid_out(i, torch.empty(self.stored_bytes[i], dtype=torch.uint8,
+                                                                  device=self.device))
                 self._unfilled.add(i)
 
     def make_master(self, i, dst=None, plain=False) -> bool:
@@ -185,23 +181,28 @@ class HostMasters:
         if buf is None:
             return False
         try:
-            blocks = self._blocks_into(i, buf)
-        except BaseException:  # an interrupt: no half-filled master stays
+            blocks = self._laid_out(i, buf)
+            self._fill(blocks, i)
+        except BaseException:  # an interrupt or a file that changed: no half-filled master stays
             self.pool.free(buf)
             raise
         self.host[i], self.blocks[i] = buf, blocks
         return True
 
-    def _blocks_into(self, i, buf) -> dict:
-        """Layer i's quantized matrices (from the file) copied into ``buf``, each aligned:
-        {name: GGUFTensor} views of it."""
+    def _laid_out(self, i, buf) -> dict:
+        """Layer i's quantized matrices as {name: GGUFTensor} views of ``buf``, each aligned (not
+        yet filled: ``_fill``)."""
         blocks, o = {}, 0
         for name, t in self.stored_blocks(i).items():
-            n = t.data.numel()
-            buf[o:o + n].copy_(t.data)
-            blocks[name] = dataclasses.replace(t, data=buf[o:o + n])
-            o += _aligned(n)
+            blocks[name] = dataclasses.replace(t, data=buf[o:o + t.data.numel()])
+            o += _aligned(t.data.numel())
         return blocks
+
+    def _fill(self, blocks, i):
+        """``blocks`` (``_laid_out``'s views) filled with layer i's bytes from its master or the file
+        (asynchronously from a pinned master)."""
+        for name, t in self.stored_blocks(i).items():
+            blocks[name].data.copy_(t.data, non_blocking=t.data.is_pinned())
 
     def _encode(self, i, dst=None) -> tuple:
         """Layer i compressed into a master from the pool (allocated and pinned while the first read

@@ -5,10 +5,10 @@ outliers). A weight's value is ComfyUI's dequantization, ``codes.float() * scale
 group by group with one float32 matrix product, then cast: the same operations in the same order,
 so the values equal ComfyUI's own to the bit where its dequantized weights are used.
 
-ComfyUI's default INT8 path multiplies with int8 activations instead (each token's row quantized
-on the fly); the pack computes with the dequantized weights (the same matrix products as for any
-other file), which is what ComfyUI computes when a layer is set to full-precision products or
-carries a LoRA."""
+ComfyUI multiplies such layers with int8 activations instead (each token's row rotated and
+quantized on the fly, also where a layer's config asks for full-precision products); the pack
+computes with the dequantized weights (the same matrix products as for any other file), which is
+what ComfyUI computes where a LoRA patches the layer on the fly."""
 from __future__ import annotations
 
 import functools

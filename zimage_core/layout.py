@@ -55,6 +55,13 @@ def residency_order(n: int) -> tuple:
     return tuple(order)
 
 
+def kept_as_blocks(n: int, resident: int, blocks: int) -> frozenset:
+    """The layers of a quantized stream that keep their blocks on the device when ``resident`` of
+    ``n`` are resident: the next ``blocks`` of ``residency_order``, spread through the stack as the
+    resident ones are."""
+    return frozenset(residency_order(n)[resident:resident + blocks])
+
+
 def streamed_in_order(n: int, resident: int) -> list:
     """The layers that stream when ``resident`` of ``n`` stay on the device, in the order they run."""
     keep = set(residency_order(n)[:resident])

@@ -24,7 +24,7 @@ from . import compression, host_memory
 from .config import ZImageConfig
 from .device_memory import CODEC_BYTES, GiB, HOST_RESERVE, activation_bytes, device_margin
 from .image_size import ImageSize
-from .layout import PackLayout, residency_order, staging_bytes, streamed_in_order
+from .layout import PackLayout, kept_as_blocks, staging_bytes, streamed_in_order
 from .plans import TEXT_TOKENS, Limits, Plan
 from .ram import cache_headroom
 from .simulation import block_costs, pinned_needed, simulate_step, step_with_pinned
@@ -65,7 +65,7 @@ def _host_sets(n: int, resident: int, masters: int, pinned: int, blocks: int = 0
     """The ``masters`` and ``pinned`` sets of a plan: the first streamed layers to run that do not
     keep their blocks on the device (masters are made at a layer's first upload, in the order the
     layers run)."""
-    on_device = set(residency_order(n)[resident:resident + blocks])
+    on_device = kept_as_blocks(n, resident, blocks)
     order = [i for i in streamed_in_order(n, resident) if i not in on_device]
     return dict(block_layers=blocks, masters=frozenset(order[:masters]), pinned=frozenset(order[:pinned]))
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from .device_memory import GiB
-from .layout import residency_order
+from .layout import kept_as_blocks
 
 TEXT_TOKENS = 512  # the longest prompt Z-Image was trained on, in tokens: what a plan assumes at least
 
@@ -73,7 +73,7 @@ class Plan:
         a slot as each runs (nothing crosses the bus for them): the next ``block_layers`` of
         ``residency_order`` after the resident ones, spread through the stack as those are."""
         n = self.resident_layers + self.streamed_layers
-        return frozenset(residency_order(n)[self.resident_layers:self.resident_layers + self.block_layers])
+        return kept_as_blocks(n, self.resident_layers, self.block_layers)
 
     @property
     def ram_short(self) -> int:

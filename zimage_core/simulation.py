@@ -6,7 +6,7 @@ from __future__ import annotations
 import functools
 
 from .config import ZImageConfig
-from .layout import residency_order, streamed_in_order
+from .layout import kept_as_blocks, residency_order, streamed_in_order
 
 # attention and the elementwise steps run below the matmul rate: on an H200 a resident 1024x1024
 # layer takes 1.09x its FLOPs at that rate with the fused kernels (``attention_input``,
@@ -109,7 +109,7 @@ def step_with_pinned(n_layers, resident, slots, costs, fixed, pinned, file_copy,
     ``blocks``: the next layers of ``residency_order`` after the resident ones keep their blocks on
     the device (``planner``): nothing crosses for them, each is decoded into its slot as it comes;
     ``pinned`` counts the others."""
-    on_device = set(residency_order(n_layers)[resident:resident + blocks])
+    on_device = kept_as_blocks(n_layers, resident, blocks)
     from_file, file_decode = (file_copy * master_copy, decode) if coded_file else (file_copy, 0.0)
     copies, decodes, host = [], [], 0
     for i in streamed_in_order(n_layers, resident):

@@ -38,7 +38,7 @@ from . import compression
 from .device_decode import DeviceDecode
 from .host_masters import HostMasters, dequantize_into
 from .host_memory import HostPool
-from .layout import StreamConfig, residency_order
+from .layout import StreamConfig, kept_as_blocks, residency_order
 from .uploads import UploadThread
 
 
@@ -111,7 +111,7 @@ class LayerStreamer:
             self._patched.discard(i)
         del self.slots[n_slots:]
         del self._ready[n_slots:], self._free[n_slots:]
-        self.masters.keep_on_device(self.order[n_resident:n_resident + blocks] if self.config.quantized else ())
+        self.masters.keep_on_device(kept_as_blocks(self.n_layers, n_resident, blocks) if self.config.quantized else ())
         if not n_slots and self.decode:
             self.decode.drop()  # its buffers serve the streamed layers (a promotion makes them again)
         self.streamed = [i for i in range(self.n_layers) if i not in keep]
