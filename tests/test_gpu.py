@@ -216,7 +216,7 @@ def test_the_device_dequantizes_as_the_cpu_does(type_name):
     package's: tests/test_quants.py), in float32 and rounded to bf16."""
     from test_quants import random_blocks
     from zimage_core import quants
-    elements = quants.TYPES[type_name][0]
+    elements = quants.TYPES[type_name].elements
     blocks = torch.from_numpy(random_blocks(type_name, 512, seed=7))
     shape = (16, 512 * elements // 16)
     for dtype in (torch.float32, torch.bfloat16):

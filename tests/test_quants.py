@@ -14,7 +14,7 @@ SCALES = {"Q8_0": [0], "Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q4_K": [0, 2],
 
 
 def random_blocks(type_name, n_blocks, seed):
-    _, nbytes, _ = quants.TYPES[type_name]
+    nbytes = quants.TYPES[type_name].nbytes
     g = np.random.default_rng(seed)
     blocks = g.integers(0, 256, size=(n_blocks, nbytes), dtype=np.uint8)
     for at in SCALES[type_name]:
@@ -25,7 +25,7 @@ def random_blocks(type_name, n_blocks, seed):
 
 @pytest.mark.parametrize("type_name", list(quants.TYPES))
 def test_dequantized_weights_equal_the_gguf_reference_to_the_bit(type_name):
-    elements = quants.TYPES[type_name][0]
+    elements = quants.TYPES[type_name].elements
     blocks = random_blocks(type_name, 64, seed=len(type_name))
     qtype = getattr(gguf_quants.GGMLQuantizationType, type_name)
     want = gguf_quants.dequantize(blocks.reshape(-1), qtype).reshape(8, -1)
@@ -50,8 +50,20 @@ def test_quantized_by_the_reference_and_back(type_name):
 def test_dequantized_into_a_narrower_buffer_rounds_the_reference_once(type_name, dtype):
     """With ``out`` the last float32 operation writes straight into the compute dtype: the reference
     values rounded once, as ``.to(dtype)`` of them rounds."""
-    elements, nbytes, fn = quants.TYPES[type_name]
+    elements = quants.TYPES[type_name].elements
     blocks = torch.from_numpy(random_blocks(type_name, 64, seed=7))
     out = torch.full((64, elements), float("nan"), dtype=dtype)
-    fn(blocks, out=out)
-    assert torch.equal(out, fn(blocks).to(dtype))
+    quants.dequantize_blocks(blocks, type_name, out)
+    assert torch.equal(out, quants.dequantize_blocks(blocks, type_name).to(dtype))
+
+
+@pytest.mark.parametrize("type_name", list(quants.TYPES))
+def test_pieces_of_a_run_give_the_whole_runs_weights(type_name, monkeypatch):
+    """The scales are worked out once for all the blocks and the values a piece at a time: pieces of
+    a few blocks (the last one short) give the reference weights of the whole run."""
+    elements = quants.TYPES[type_name].elements
+    blocks = random_blocks(type_name, 64, seed=11)
+    want = gguf_quants.dequantize(blocks.reshape(-1), getattr(gguf_quants.GGMLQuantizationType, type_name))
+    monkeypatch.setattr(quants, "PIECE", 5 * elements)
+    got = quants.dequantize_blocks(torch.from_numpy(blocks), type_name)
+    assert np.array_equal(got.numpy().reshape(-1).view(np.uint32), want.astype(np.float32).reshape(-1).view(np.uint32))

@@ -24,7 +24,7 @@ QUANTS = [*quants.TYPES, *quants.MIXES]
 
 def random_k_blocks(values: np.ndarray, quant: str, seed: int) -> np.ndarray:
     """Random valid ``quant`` blocks ([rows, bytes]) for a matrix shaped like ``values``."""
-    per, nbytes, _ = quants.TYPES[quant]
+    per, nbytes = quants.TYPES[quant].elements, quants.TYPES[quant].nbytes
     rows = values.shape[0]
     g = np.random.default_rng(seed)
     blocks = g.integers(0, 256, size=(rows * values.shape[1] // per, nbytes), dtype=np.uint8)

@@ -103,9 +103,9 @@ class Calibration:
             elif t.type_name in PLAIN:
                 self._layer_dequantize_s = 0.0
             else:
-                per, nbytes, fn = quants.TYPES[t.type_name]
-                blocks = t.data.to(self.device).view(-1, nbytes)
-                out = torch.empty(blocks.shape[0] * per, dtype=s.layout.dtype, device=self.device)
-                seconds = device_seconds(lambda: dequantize_run(blocks, fn, per, out, 0))
+                q = quants.TYPES[t.type_name]
+                blocks = t.data.to(self.device).view(-1, q.nbytes)
+                out = torch.empty(blocks.shape[0] * q.elements, dtype=s.layout.dtype, device=self.device)
+                seconds = device_seconds(lambda: dequantize_run(blocks, t.type_name, out, 0))
                 self._layer_dequantize_s = seconds * s.layout.numel / out.numel()
         return self._layer_dequantize_s / layer_upload_s

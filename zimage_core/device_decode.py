@@ -11,19 +11,11 @@ import torch
 from . import compression, int8_rows, quants
 from .gguf_file import PLAIN
 
-# a quantized run is dequantized this many weights at a time: the float32 temporaries of a whole
-# matrix (10240x3840) would take 0.5 GiB of device memory beside the step
-QUANT_PIECE = 4 << 20
-
-
-def dequantize_run(blocks: torch.Tensor, fn, per: int, region: torch.Tensor, start: int):
-    """Whole blocks ([n, bytes], on the device) dequantized by ``fn`` into ``region`` from element
-    ``start``, ``QUANT_PIECE`` weights at a time."""
-    piece = max(1, QUANT_PIECE // per)  # blocks one dequantization takes
-    for p in range(0, blocks.shape[0], piece):
-        part = blocks[p:p + piece]
-        at = start + p * per
-        fn(part, out=region[at:at + part.shape[0] * per].view(-1, per))
+def dequantize_run(blocks: torch.Tensor, type_name: str, region: torch.Tensor, start: int):
+    """Whole blocks ([n, bytes], on the device) of GGML type ``type_name`` dequantized into
+    ``region`` from element ``start``."""
+    per = quants.TYPES[type_name].elements
+    quants.dequantize_blocks(blocks, type_name, region[start:start + blocks.shape[0] * per].view(-1, per))
 
 
 def _cast(dst: torch.Tensor, src: torch.Tensor, scale: float | None):
@@ -96,13 +88,11 @@ class DeviceDecode:
             elif t.type_name in PLAIN:
                 _cast(region, t.data.view(PLAIN[t.type_name]), None if t.scale is None else t.scale_in(region.dtype))
             else:
-                per, nbytes, fn = quants.TYPES[t.type_name]
-                dequantize_run(t.data.view(-1, nbytes), fn, per, region, 0)
+                dequantize_run(t.data.view(-1, quants.TYPES[t.type_name].nbytes), t.type_name, region, 0)
 
     def dequantize(self, blocks: dict, layout, dst) -> torch.cuda.Stream:
         """A quantized layer's matrices ({name: GGUFTensor} in host memory) into the packed layer
-        ``dst``: a run of whole blocks (at most a buffer) at a time, dequantized ``QUANT_PIECE``
-        weights at a time; a matrix the file stores plain, its values cast. Returns the decode
+        ``dst``: a run of whole blocks (at most a buffer) at a time; a matrix the file stores plain, its values cast. Returns the decode
         stream, where the layer is done."""
         for name, t in blocks.items():
             region = layout.region(dst, name).view(-1)
@@ -129,11 +119,11 @@ class DeviceDecode:
                     self._cross(part.view(torch.uint8), lambda b, a=a, n=part.numel(), d=part.dtype:
                                 _cast(region[a:a + n], b.view(d), scale))
                 continue
-            per, nbytes, fn = quants.TYPES[t.type_name]
-            data = t.data.view(-1, nbytes)
-            run = compression.GROUP_BYTES // nbytes   # blocks a buffer holds
+            q = quants.TYPES[t.type_name]
+            data = t.data.view(-1, q.nbytes)
+            run = compression.GROUP_BYTES // q.nbytes   # blocks a buffer holds
             for a in range(0, data.shape[0], run):
                 rows = data[a:a + run]
-                self._cross(rows.reshape(-1), lambda b, a=a, n=rows.shape[0]:
-                            dequantize_run(b.view(n, nbytes), fn, per, region, a * per))
+                self._cross(rows.reshape(-1), lambda b, a=a, n=rows.shape[0], t=t:
+                            dequantize_run(b.view(n, q.nbytes), t.type_name, region, a * q.elements))
         return self.stream

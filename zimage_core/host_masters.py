@@ -90,7 +90,7 @@ class HostMasters:
         if kept is None:
             return self.stored_blocks(i)
         if i in self._unfilled:
-            self._fill(kept, i)
+            self._fill(kept, i, staged=self.blocks[i] is None)
             self._unfilled.discard(i)
         return kept
 
@@ -198,11 +198,17 @@ class HostMasters:
             o += _aligned(t.data.numel())
         return blocks
 
-    def _fill(self, blocks, i):
+    def _fill(self, blocks, i, staged=False):
         """``blocks`` (``_laid_out``'s views) filled with layer i's bytes from its master or the file
-        (asynchronously from a pinned master)."""
+        (asynchronously from a pinned master). ``staged``: through the staging buffers, for blocks
+        the device keeps that come from the file, whose mapping is pageable memory: a copy from
+        there would hold the copy stream, and every upload queued behind it, until it was done."""
         for name, t in self.stored_blocks(i).items():
-            blocks[name].data.copy_(t.data, non_blocking=t.data.is_pinned())
+            if staged:
+                self._through_staging(blocks[name].data, lambda buf, start, src=t.data:
+                                      buf.copy_(src[start:start + buf.numel()]))
+            else:
+                blocks[name].data.copy_(t.data, non_blocking=t.data.is_pinned())
 
     def _encode(self, i, dst=None) -> tuple:
         """Layer i compressed into a master from the pool (allocated and pinned while the first read
@@ -310,21 +316,28 @@ class HostMasters:
                 self._staging.append([torch.empty(self.chunk, dtype=self.layout.dtype), None])
 
     def stage(self, i, dst):
-        """Upload layer i from its source through the staging buffers, a chunk at a time: pinned ones
-        when the pool has room (the read into one runs while the others' uploads are on the bus),
-        else one pageable buffer and synchronous copies (always on the CPU)."""
+        """Upload layer i from its source through the staging buffers."""
+        self._through_staging(dst, lambda buf, start: self.layout.fill(buf, self.sources[i], start))
+
+    def _through_staging(self, dst, fill):
+        """``dst`` (flat, on the device) filled a staging buffer at a time, ``fill(buf, start)``
+        writing its elements from ``start`` on into ``buf`` (viewed in ``dst``'s dtype): pinned
+        buffers when the pool has room (the read into one runs while the others' uploads are on the
+        bus), else one pageable buffer and synchronous copies (always on the CPU)."""
         self._make_staging()
-        for start in range(0, self.layout.numel, self.chunk):
+        per = self._staging[0][0].view(dst.dtype).numel()
+        for start in range(0, dst.numel(), per):
             buf, done = self._staging[self._stage_next]
             self._stage_next = (self._stage_next + 1) % len(self._staging)
             if done is not None:
                 done.synchronize()  # its previous upload has left it
-            n = min(self.chunk, self.layout.numel - start)
-            self.layout.fill(buf[:n], self.sources[i], start)
+            n = min(per, dst.numel() - start)
+            part = buf.view(dst.dtype)[:n]
+            fill(part, start)
             if done is None:
-                dst[start:start + n].copy_(buf[:n])
+                dst[start:start + n].copy_(part)
             else:
-                dst[start:start + n].copy_(buf[:n], non_blocking=True)
+                dst[start:start + n].copy_(part, non_blocking=True)
                 done.record(torch.cuda.current_stream(self.device))
 
     def read_ahead(self, i):

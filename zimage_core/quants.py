@@ -1,17 +1,26 @@
 """GGML's block quantizations dequantized with torch ops, on whatever device holds the bytes: a
-quantized layer crosses the bus as its blocks and becomes weights where it is computed. Each
-function takes blocks as bytes ([n_blocks, block bytes], uint8) and gives float32 values
-([n_blocks, block elements]) equal to the ``gguf`` package's reference dequantization to the bit:
-the same float32 operations in the same order (``tests/test_quants.py``). Given ``out`` (that
-shape, any float dtype), the last operation writes its float32 result there, rounded once: no
-float32 copy of the weights is made and copied again (a Q8_0 matrix is read once as its blocks and
-written once as weights)."""
+quantized layer crosses the bus as its blocks and becomes weights where it is computed. Blocks come
+as bytes ([n_blocks, block bytes], uint8) and become float32 values ([n_blocks, block elements])
+equal to the ``gguf`` package's reference dequantization to the bit: the same float32 operations in
+the same order (``tests/test_quants.py``). Given ``out`` (that shape, any float dtype), the last
+operation writes its float32 result there, rounded once.
+
+Each type is split in two: its blocks' scales (a few floats a block, worked out once for all the
+blocks given) and its values (``PIECE`` weights at a time, a handful of kernels each). On a GPU a
+layer's dequantization is bound by how many kernels it launches, not by its bytes: the per-block
+scales of a K-quant take a dozen small kernels, and working them out for every piece made a Q4_K
+layer cost five times a Q8_0 one."""
 from __future__ import annotations
+
+from typing import Callable, NamedTuple
 
 import torch
 
 QK_K = 256           # elements of a K-quant super-block
 K_SCALE_SIZE = 12    # bytes of a Q4_K / Q5_K block's packed 6-bit scales and mins
+# weights dequantized at once: the float32 temporaries of a piece take 32 MiB beside the step, where
+# a whole matrix's (10240x3840) would take 0.5 GiB
+PIECE = 8 << 20
 
 
 def _f16(blocks, start) -> torch.Tensor:
@@ -19,27 +28,33 @@ def _f16(blocks, start) -> torch.Tensor:
     return blocks[:, start:start + 2].contiguous().view(torch.float16).float()
 
 
-def _nibbles(qs, group) -> torch.Tensor:
-    """Low then high nibbles of each run of ``group`` bytes: [n, runs * 2 * group] (uint8)."""
-    n = qs.shape[0]
-    qs = qs.reshape(n, -1, 1, group)
-    return torch.cat([qs & 0x0F, qs >> 4], dim=2).reshape(n, -1)
+def _halves(fn, qs, d, out):
+    """``fn(nibbles, scale, out)`` for the low then the high nibbles of the runs of bytes ``qs``
+    ([n, runs, bytes]), with ``d`` and ``out`` shaped [n, runs, 2, ...] to match: a run's low
+    nibbles are the weights before its high ones."""
+    fn(qs & 0x0F, d[:, :, 0], out[:, :, 0])
+    fn(qs >> 4, d[:, :, 1], out[:, :, 1])
 
 
-def q8_0(blocks, out=None):
-    d = _f16(blocks, 0)
-    return torch.mul(blocks[:, 2:].view(torch.int8), d, out=out)  # int8 codes promote to float32 exactly
+def _q8_0(blocks, d, out):
+    torch.mul(blocks[:, 2:].view(torch.int8), d, out=out)  # int8 codes promote to float32 exactly
 
 
-def q4_0(blocks, out=None):
-    d = _f16(blocks, 0)
-    q = _nibbles(blocks[:, 2:], 16).to(torch.int8) - 8
-    return torch.mul(d, q, out=out)
+def _both(d):
+    """A block's one scale ([n, 1]) for both halves of its one run: [n, 1, 2, 1]."""
+    return d.view(-1, 1, 1, 1).expand(-1, 1, 2, 1)
 
 
-def q4_1(blocks, out=None):
-    d, m = _f16(blocks, 0), _f16(blocks, 2)
-    return torch.add(d * _nibbles(blocks[:, 4:], 16).float(), m, out=out)
+def _q4_0(blocks, d, out):
+    n = blocks.shape[0]
+    _halves(lambda q, d, o: torch.mul(d, q.view(torch.int8) - 8, out=o),
+            blocks[:, 2:].reshape(n, 1, 16), _both(d), out.view(n, 1, 2, 16))
+
+
+def _q4_1(blocks, d, m, out):
+    n = blocks.shape[0]
+    _halves(lambda q, d, o: torch.add(d * q, m.view(n, 1, 1), out=o),
+            blocks[:, 4:].reshape(n, 1, 16), _both(d), out.view(n, 1, 2, 16))
 
 
 def _bits(packed: torch.Tensor, width: int) -> torch.Tensor:
@@ -48,11 +63,13 @@ def _bits(packed: torch.Tensor, width: int) -> torch.Tensor:
     return ((packed >> shifts) & 1).to(torch.uint8)
 
 
-def q5_0(blocks, out=None):
-    d = _f16(blocks, 0)
-    qh = _bits(blocks[:, 2:6].contiguous().view(torch.int32), 32)
-    q = (_nibbles(blocks[:, 6:], 16) | (qh << 4)).to(torch.int8) - 16
-    return torch.mul(d, q, out=out)
+def _q5_0(blocks, d, out):
+    n = blocks.shape[0]
+    high = (_bits(blocks[:, 2:6].contiguous().view(torch.int32), 32) << 4).view(n, 1, 2, 16)
+    qs = blocks[:, 6:].reshape(n, 1, 16)
+    out = out.view(n, 1, 2, 16)
+    for h, q in enumerate((qs & 0x0F, qs >> 4)):
+        torch.mul(d.view(n, 1, 1), (q | high[:, :, h]).view(torch.int8) - 16, out=out[:, :, h])
 
 
 def _scale_min(scales) -> tuple:
@@ -65,59 +82,93 @@ def _scale_min(scales) -> tuple:
     return sc, mn
 
 
-def _k_scales(blocks, n):
+def _k_scales(blocks):
+    """A Q4_K / Q5_K block's 8 scales and 8 mins as float32 [n, 8, 1]."""
+    n = blocks.shape[0]
     d, dmin = _f16(blocks, 0), _f16(blocks, 2)
     sc, mn = _scale_min(blocks[:, 4:4 + K_SCALE_SIZE])
     return (d * sc.float()).reshape(n, -1, 1), (dmin * mn.float()).reshape(n, -1, 1)
 
 
-def _into(out, n, groups):
-    """``out`` ([n, elements]) viewed as [n, groups, elements / groups], or None."""
-    return None if out is None else out.view(n, groups, -1)
-
-
-def q4_k(blocks, out=None):
+def _q4_k(blocks, d, dm, out):
     n = blocks.shape[0]
-    d, dm = _k_scales(blocks, n)
-    q = _nibbles(blocks[:, 4 + K_SCALE_SIZE:], 32).reshape(n, -1, 32).float()
-    return torch.sub(d * q, dm, out=_into(out, n, QK_K // 32)).reshape(n, QK_K)
+    v = torch.empty(n, 4, 2, 32, dtype=torch.float32, device=blocks.device)
+    _halves(lambda q, d, o: torch.mul(q, d, out=o), blocks[:, 4 + K_SCALE_SIZE:].reshape(n, 4, 32),
+            d.view(n, 4, 2, 1), v)
+    torch.sub(v.view(n, 8, 32), dm, out=out.view(n, 8, 32))
 
 
-def q5_k(blocks, out=None):
+def _q5_k(blocks, d, dm, out):
     n = blocks.shape[0]
-    d, dm = _k_scales(blocks, n)
     start = 4 + K_SCALE_SIZE
     qh = blocks[:, start:start + QK_K // 8].reshape(n, 1, 32)
-    ql = _nibbles(blocks[:, start + QK_K // 8:], 32).reshape(n, -1, 32)
     shifts = torch.arange(8, device=blocks.device, dtype=torch.uint8).reshape(1, 8, 1)
-    high = ((qh >> shifts) & 1).reshape(n, -1, 32)
-    return torch.sub(d * (ql | (high << 4)).float(), dm, out=_into(out, n, QK_K // 32)).reshape(n, QK_K)
+    high = (((qh >> shifts) & 1) << 4).view(n, 4, 2, 32)  # run 2g+h's fifth bits
+    qs = blocks[:, start + QK_K // 8:].reshape(n, 4, 32)
+    v = torch.empty(n, 4, 2, 32, dtype=torch.float32, device=blocks.device)
+    d = d.view(n, 4, 2, 1)
+    for h, q in enumerate((qs & 0x0F, qs >> 4)):
+        torch.mul(q | high[:, :, h], d[:, :, h], out=v[:, :, h])
+    torch.sub(v.view(n, 8, 32), dm, out=out.view(n, 8, 32))
 
 
-def q6_k(blocks, out=None):
+def _q6_k_scales(blocks):
     n = blocks.shape[0]
-    ql = _nibbles(blocks[:, :QK_K // 2], 64).reshape(n, -1, 32)
-    qh = blocks[:, QK_K // 2:QK_K // 2 + QK_K // 4].reshape(n, -1, 1, 32)
+    at = QK_K // 2 + QK_K // 4  # the 16 int8 scales, then the float16 d
+    scales = blocks[:, at:at + QK_K // 16].contiguous().view(torch.int8).float()
+    return ((_f16(blocks, at + QK_K // 16) * scales).reshape(n, QK_K // 16, 1),)
+
+
+def _q6_k(blocks, d, out):
+    n = blocks.shape[0]
+    # the 256 codes as [n, 2 halves, 4 runs, 32]: run r of half b takes nibble r // 2 of the low
+    # bits' bytes (b, r % 2) and bits 2r, 2r+1 of the high bits' bytes (b) as its fifth and sixth
+    ql = blocks[:, :QK_K // 2].reshape(n, 2, 2, 32)
+    qh = blocks[:, QK_K // 2:QK_K // 2 + QK_K // 4].reshape(n, 2, 1, 32)
+    codes = torch.empty(n, 2, 4, 32, dtype=torch.uint8, device=blocks.device)
+    torch.bitwise_and(ql, 0x0F, out=codes[:, :, :2])
+    torch.bitwise_right_shift(ql, 4, out=codes[:, :, 2:])
     shifts = torch.tensor([0, 2, 4, 6], device=blocks.device, dtype=torch.uint8).reshape(1, 1, 4, 1)
-    qh = ((qh >> shifts) & 3).reshape(n, -1, 32)
-    scales = blocks[:, QK_K // 2 + QK_K // 4:QK_K // 2 + QK_K // 4 + QK_K // 16].contiguous().view(torch.int8).float()
-    d = (_f16(blocks, QK_K // 2 + QK_K // 4 + QK_K // 16) * scales).reshape(n, QK_K // 16, 1)
-    q = ((ql | (qh << 4)).to(torch.int8) - 32).reshape(n, QK_K // 16, -1)
-    return torch.mul(d, q, out=_into(out, n, QK_K // 16)).reshape(n, QK_K)
+    codes |= ((qh >> shifts) & 3) << 4
+    torch.mul(d, (codes.view(torch.int8) - 32).view(n, QK_K // 16, 16), out=out.view(n, QK_K // 16, 16))
 
 
-# type name -> (elements, bytes) of a block and its dequantization; the types ComfyUI-GGUF users
-# run Z-Image in. Others (the i-quants, Q2_K, Q3_K, Q5_1, ...) are refused by name where a file
-# holds them.
+class Quant(NamedTuple):
+    elements: int        # weights a block holds
+    nbytes: int          # bytes a block takes
+    scales: Callable     # blocks -> the per-block tensors ``values`` needs (first dimension: blocks)
+    values: Callable     # (blocks, *scales, out) -> writes the blocks' weights into out ([n, elements])
+
+
+def _d(blocks):
+    return (_f16(blocks, 0),)
+
+
+# the types ComfyUI-GGUF users run Z-Image in. Others (the i-quants, Q2_K, Q3_K, Q5_1, ...) are
+# refused by name where a file holds them.
 TYPES = {
-    "Q8_0": (32, 34, q8_0),
-    "Q4_0": (32, 18, q4_0),
-    "Q4_1": (32, 20, q4_1),
-    "Q5_0": (32, 22, q5_0),
-    "Q4_K": (QK_K, 144, q4_k),
-    "Q5_K": (QK_K, 176, q5_k),
-    "Q6_K": (QK_K, 210, q6_k),
+    "Q8_0": Quant(32, 34, _d, _q8_0),
+    "Q4_0": Quant(32, 18, _d, _q4_0),
+    "Q4_1": Quant(32, 20, lambda b: (_f16(b, 0), _f16(b, 2)), _q4_1),
+    "Q5_0": Quant(32, 22, _d, _q5_0),
+    "Q4_K": Quant(QK_K, 144, _k_scales, _q4_k),
+    "Q5_K": Quant(QK_K, 176, _k_scales, _q5_k),
+    "Q6_K": Quant(QK_K, 210, _q6_k_scales, _q6_k),
 }
+
+
+def dequantize_blocks(blocks: torch.Tensor, type_name: str, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The weights of ``blocks`` ([n, block bytes]) in GGML type ``type_name``, written to ``out``
+    ([n, block elements], any float dtype; float32 made where not given): the scales of all the
+    blocks at once, then ``PIECE`` weights at a time."""
+    q = TYPES[type_name]
+    if out is None:
+        out = torch.empty(blocks.shape[0], q.elements, dtype=torch.float32, device=blocks.device)
+    scales = q.scales(blocks)
+    step = max(1, PIECE // q.elements)
+    for a in range(0, blocks.shape[0], step):
+        q.values(blocks[a:a + step], *(s[a:a + step] for s in scales), out[a:a + step])
+    return out
 
 
 # mixes as llama.cpp's quantizer names them: the medium K-quant keeps the feed-forward's down
@@ -136,8 +187,8 @@ def stored_bytes(shapes: dict, quant: str, align: int = 1) -> int:
     ``align``: what its master and its kept blocks take."""
     total = 0
     for name, kind in matrix_types(quant, shapes).items():
-        elements, nbytes, _ = TYPES[kind]
-        n = -(-shapes[name][0] * shapes[name][1] // elements) * nbytes
+        q = TYPES[kind]
+        n = -(-shapes[name][0] * shapes[name][1] // q.elements) * q.nbytes
         total += -(-n // align) * align
     return total
 
@@ -145,7 +196,7 @@ def stored_bytes(shapes: dict, quant: str, align: int = 1) -> int:
 def dequantize(data: torch.Tensor, type_name: str, shape, dtype=torch.float32) -> torch.Tensor:
     """The weights of ``shape`` that ``data`` (the tensor's bytes, uint8) holds in GGML type
     ``type_name``, in ``dtype`` (rounded from the float32 reference values)."""
-    elements, nbytes, fn = TYPES[type_name]
+    q = TYPES[type_name]
     out = torch.empty(shape, dtype=dtype, device=data.device)
-    fn(data.reshape(-1, nbytes), out=out.view(-1, elements))
+    dequantize_blocks(data.reshape(-1, q.nbytes), type_name, out.view(-1, q.elements))
     return out
