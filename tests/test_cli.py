@@ -25,7 +25,7 @@ RUN_PY = os.path.join(ROOT, "workflows", "api", "run.py")
 BAD_ARGS = 2  # argparse's exit status
 
 
-TOOL_COMMANDS = ("bench", "random-weights", "ratio")
+TOOL_COMMANDS = ("bench", "random-weights", "ratio", "dequant")
 
 
 def main_for(argv):
@@ -82,6 +82,8 @@ def one_line(text):
     (["ratio", "--weights", "README.md", "--layers", "0"], ["--layers", "give 1 to 64"]),
     (["bench", "--weights", "README.md", "--compression", "maybe"], ["--compression", "invalid choice"]),
     (["plan", "--no-such-option"], ["unrecognized arguments"]),
+    (["dequant", "--cols", "300"], ["--cols", "not a multiple of 256"]),
+    (["dequant", "--device", "gpu7"], ["--device", "not a device"]),
     ([], ["required", "plan"]),
 ])
 def test_bad_arguments(argv, words, capsys):
@@ -172,6 +174,16 @@ def test_plan_does_not_fit_exits_non_zero(extra, capsys):
             assert json.loads(out)["fits"] is False
         else:
             assert "does not fit" in out.splitlines()[0]
+
+
+def test_dequant_times_every_type_the_loader_reads(capsys):
+    from zimage_core import quants
+    code, out, err = run_main(["dequant", "--device", "cpu", "--rows", "8", "--cols", "256"], capsys)
+    assert code == 0 and not err
+    lines = out.splitlines()
+    assert lines[0] == "one 8x256 matrix dequantized into bf16 on cpu:"
+    assert [line.split()[0] for line in lines[1:]] == list(quants.TYPES)
+    assert all(float(line.split()[1]) > 0 for line in lines[1:])
 
 
 def test_help_texts(capsys):

@@ -1,4 +1,4 @@
-"""python -m tools bench | random-weights | random-lora | gguf-weights | fp8-weights | int8-weights | ratio: the core benchmark (median step against its bound,
+"""python -m tools bench | dequant | random-weights | random-lora | gguf-weights | fp8-weights | int8-weights | ratio: the core benchmark (median step against its bound,
 in one process), the random-weight generator, and how well a checkpoint's layers compress. Run from
 the repository's root."""
 from __future__ import annotations
@@ -38,6 +38,14 @@ def rotation(text):
     n = count(0)(text)
     if n and not is_rotation(n):
         raise argparse.ArgumentTypeError(f"{text}: a ConvRot group is a power of 4 (16, 64, 256, ...)")
+    return n
+
+
+def whole_blocks(text):
+    """--cols: whole K-quant blocks a row."""
+    n = count(256)(text)
+    if n % 256:
+        raise argparse.ArgumentTypeError(f"{n} is not a multiple of 256 (a K-quant block's weights)")
     return n
 
 
@@ -93,6 +101,13 @@ def _bench(a):
             print(json.dumps(r))
         else:
             _print_bench(r)
+
+
+def _dequant(a):
+    where = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    print(f"one {a.rows}x{a.cols} matrix dequantized into bf16 on {where}:")
+    for name, (wall, dev) in bench.dequantize_times(where, a.rows, a.cols).items():
+        print(f"  {name:5s} {wall:7.2f} ms" + (f" ({dev:.2f} ms on the device)" if dev is not None else ""))
 
 
 def _print_bench(r):
@@ -234,6 +249,11 @@ def main(argv=None):
                         "nodes read it: auto where it is unset)")
     b.add_argument("--json", action="store_true", help="print each result as one JSON object per line")
     b.set_defaults(fn=_bench)
+    d = sub.add_parser("dequant", help="milliseconds to dequantize a matrix of each GGML type the loader reads")
+    d.add_argument("--device", type=device, help="cpu or cuda[:N] (default: cuda where there is one)")
+    d.add_argument("--rows", type=count(1), default=10240, help="default 10240 (a feed-forward matrix)")
+    d.add_argument("--cols", type=whole_blocks, default=3840, help="a multiple of 256 (default 3840)")
+    d.set_defaults(fn=_dequant)
     run(ap, argv)
 
 

@@ -253,3 +253,27 @@ def _compare_resident(model, dev, width, height, steps, seed, cap_tokens, batch,
     result["resident_median_step_s"] = statistics.median(times[1:] or times)
     result["resident_output_sha256"] = _sha256(out)
     result["ratio_to_resident"] = result["median_step_s"] / result["resident_median_step_s"]
+
+
+def dequantize_times(device, rows=10240, cols=3840, repeats=20) -> dict:
+    """{GGML type: (wall ms, device ms)} of one rows x cols matrix of random blocks dequantized
+    into bf16 by ``quants.dequantize_blocks``, as the decode stream does a kept or streamed matrix:
+    the wall time is what the issuing thread spends (kernel launches included), the device time
+    what the GPU does."""
+    from zimage_core import quants
+    from zimage_core.device_timing import device_seconds
+    dev = torch.device(device)
+    times = {}
+    for name, q in quants.TYPES.items():
+        blocks = torch.randint(0, 256, (rows * cols // q.elements, q.nbytes), dtype=torch.uint8, device=dev)
+        out = torch.empty(blocks.shape[0], q.elements, dtype=torch.bfloat16, device=dev)
+        run = functools.partial(quants.dequantize_blocks, blocks, name, out)
+        run()
+        _sync(dev)
+        start = time.perf_counter()
+        for _ in range(repeats):
+            run()
+        _sync(dev)
+        wall = (time.perf_counter() - start) / repeats
+        times[name] = (wall * 1e3, device_seconds(run) * 1e3 if dev.type == "cuda" else None)
+    return times
