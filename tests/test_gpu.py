@@ -214,15 +214,30 @@ def test_the_device_decode_gives_back_every_bit(monkeypatch):
 def test_the_device_dequantizes_as_the_cpu_does(type_name):
     """GGML blocks dequantized on the GPU give the CPU's values to the bit (which equal the gguf
     package's: tests/test_quants.py), in float32 and rounded to bf16."""
-    from test_quants import random_blocks
     from zimage_core import quants
     elements = quants.TYPES[type_name].elements
-    blocks = torch.from_numpy(random_blocks(type_name, 512, seed=7))
+    blocks = quants.random_blocks(type_name, 512, seed=7)
     shape = (16, 512 * elements // 16)
     for dtype in (torch.float32, torch.bfloat16):
         cpu = quants.dequantize(blocks, type_name, shape, dtype)
         gpu = quants.dequantize(blocks.cuda(), type_name, shape, dtype)
         assert torch.equal(gpu.cpu(), cpu), (type_name, dtype)
+
+
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q4_K", "Q5_K", "Q6_K"])
+def test_the_dequantization_kernel_gives_the_cpus_bits(type_name):
+    """The one-launch Triton dequantization (``triton_dequant``, what the streamer runs on a GPU)
+    compiles here and gives the CPU's values to the bit (the gguf package's), over many programs
+    with the last one partly masked, in float32 and rounded to bf16 and fp16 as torch rounds."""
+    from zimage_core import quants, triton_dequant
+    assert triton_dequant.runs_on(torch.device("cuda")), "the kernel did not compile or gave other bits (see the log)"
+    q = quants.TYPES[type_name]
+    blocks = quants.random_blocks(type_name, 4099, seed=5)
+    for dtype, bits in ((torch.float32, torch.int32), (torch.bfloat16, torch.int16), (torch.float16, torch.int16)):
+        want = quants.dequantize_blocks(blocks, type_name).to(dtype)
+        got = torch.full((4099, q.elements), float("nan"), dtype=dtype, device="cuda")
+        triton_dequant.dequantize_blocks(blocks.cuda(), type_name, got)
+        assert torch.equal(got.cpu().view(bits), want.view(bits)), (type_name, dtype)
 
 
 @pytest.mark.parametrize("quant", ["Q8_0", "Q4_K", "Q6_K"])

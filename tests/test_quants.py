@@ -9,24 +9,11 @@ from zimage_core import quants
 
 gguf_quants = pytest.importorskip("gguf.quants", reason="the gguf package (pip install gguf) is the reference")
 
-# byte offsets of each block's float16 scales
-SCALES = {"Q8_0": [0], "Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
-
-
-def random_blocks(type_name, n_blocks, seed):
-    nbytes = quants.TYPES[type_name].nbytes
-    g = np.random.default_rng(seed)
-    blocks = g.integers(0, 256, size=(n_blocks, nbytes), dtype=np.uint8)
-    for at in SCALES[type_name]:
-        scale = (g.standard_normal(n_blocks) * 0.01).astype(np.float16)
-        blocks[:, at:at + 2] = scale.view(np.uint8).reshape(n_blocks, 2)
-    return blocks
-
 
 @pytest.mark.parametrize("type_name", list(quants.TYPES))
 def test_dequantized_weights_equal_the_gguf_reference_to_the_bit(type_name):
     elements = quants.TYPES[type_name].elements
-    blocks = random_blocks(type_name, 64, seed=len(type_name))
+    blocks = quants.random_blocks(type_name, 64, seed=len(type_name)).numpy()
     qtype = getattr(gguf_quants.GGMLQuantizationType, type_name)
     want = gguf_quants.dequantize(blocks.reshape(-1), qtype).reshape(8, -1)
     got = quants.dequantize(torch.from_numpy(blocks), type_name, (8, 64 * elements // 8))
@@ -51,7 +38,7 @@ def test_dequantized_into_a_narrower_buffer_rounds_the_reference_once(type_name,
     """With ``out`` the last float32 operation writes straight into the compute dtype: the reference
     values rounded once, as ``.to(dtype)`` of them rounds."""
     elements = quants.TYPES[type_name].elements
-    blocks = torch.from_numpy(random_blocks(type_name, 64, seed=7))
+    blocks = quants.random_blocks(type_name, 64, seed=7)
     out = torch.full((64, elements), float("nan"), dtype=dtype)
     quants.dequantize_blocks(blocks, type_name, out)
     assert torch.equal(out, quants.dequantize_blocks(blocks, type_name).to(dtype))
@@ -62,8 +49,44 @@ def test_pieces_of_a_run_give_the_whole_runs_weights(type_name, monkeypatch):
     """The scales are worked out once for all the blocks and the values a piece at a time: pieces of
     a few blocks (the last one short) give the reference weights of the whole run."""
     elements = quants.TYPES[type_name].elements
-    blocks = random_blocks(type_name, 64, seed=11)
+    blocks = quants.random_blocks(type_name, 64, seed=11).numpy()
     want = gguf_quants.dequantize(blocks.reshape(-1), getattr(gguf_quants.GGMLQuantizationType, type_name))
     monkeypatch.setattr(quants, "PIECE", 5 * elements)
     got = quants.dequantize_blocks(torch.from_numpy(blocks), type_name)
     assert np.array_equal(got.numpy().reshape(-1).view(np.uint32), want.astype(np.float32).reshape(-1).view(np.uint32))
+
+
+_KERNEL_IN_THE_INTERPRETER = """
+import sys, torch
+from zimage_core import quants, triton_dequant
+bad = []
+for name, q in quants.TYPES.items():
+    blocks = quants.random_blocks(name, 37, seed=3)  # 37 blocks: a last program that is partly masked
+    values = quants.dequantize_blocks(blocks, name)
+    # the interpreter rounds float32 to bf16 toward zero (compiled: to nearest even, as torch does)
+    toward_zero = (values.view(torch.int32) >> 16).to(torch.int16)
+    for dtype, want in ((torch.float32, values.view(torch.int32)), (torch.float16, values.half().view(torch.int16)),
+                        (torch.bfloat16, toward_zero)):
+        got = torch.full((37, q.elements), float("nan"), dtype=dtype)
+        triton_dequant.dequantize_blocks(blocks, name, got)
+        if not torch.equal(got.view(want.dtype), want):
+            bad.append(f"{name} {dtype}")
+print(bad)
+sys.exit(1 if bad else 0)
+"""
+
+
+def test_the_triton_kernel_gives_the_reference_bits_in_tritons_interpreter():
+    """The device's one-launch dequantization (``triton_dequant``), run by Triton's interpreter on
+    the CPU where Triton is installed (the GPU test runs it compiled): every type's weights equal
+    ``quants``' (the gguf package's) to the bit in float32, rounded to fp16 as torch rounds them,
+    and to bf16 as the interpreter rounds (toward zero; ``runs_on`` checks the compiled kernel's
+    rounding against torch's)."""
+    pytest.importorskip("triton", reason="Triton is not installed (it comes with torch's CUDA builds)")
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, "-c", _KERNEL_IN_THE_INTERPRETER], cwd=root, capture_output=True, text=True,
+                       env={**os.environ, "TRITON_INTERPRET": "1"}, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr[-3000:]

@@ -8,14 +8,19 @@ from __future__ import annotations
 
 import torch
 
-from . import compression, int8_rows, quants
+from . import compression, int8_rows, quants, triton_dequant
 from .gguf_file import PLAIN
 
 def dequantize_run(blocks: torch.Tensor, type_name: str, region: torch.Tensor, start: int):
-    """Whole blocks ([n, bytes], on the device) of GGML type ``type_name`` dequantized into
-    ``region`` from element ``start``."""
+    """Whole blocks ([n, bytes], contiguous, on the device) of GGML type ``type_name`` dequantized
+    into ``region`` from element ``start``: in one launch where the device runs the kernel
+    (``triton_dequant``), else by torch's ops; the same bits either way."""
     per = quants.TYPES[type_name].elements
-    quants.dequantize_blocks(blocks, type_name, region[start:start + blocks.shape[0] * per].view(-1, per))
+    out = region[start:start + blocks.shape[0] * per].view(-1, per)
+    if blocks.is_cuda and triton_dequant.runs_on(blocks.device):
+        triton_dequant.dequantize_blocks(blocks, type_name, out)
+    else:
+        quants.dequantize_blocks(blocks, type_name, out)
 
 
 def _cast(dst: torch.Tensor, src: torch.Tensor, scale: float | None):

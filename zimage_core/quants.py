@@ -157,6 +157,21 @@ TYPES = {
 }
 
 
+# byte offsets of each type's float16 scales in its block
+SCALE_BYTES = {"Q8_0": [0], "Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
+
+
+def random_blocks(type_name: str, n_blocks: int, seed: int) -> torch.Tensor:
+    """``n_blocks`` blocks of random bytes with finite float16 scales (every byte pattern of a
+    code is valid): what checks of a dequantization run on."""
+    g = torch.Generator().manual_seed(seed)
+    blocks = torch.randint(0, 256, (n_blocks, TYPES[type_name].nbytes), dtype=torch.uint8, generator=g)
+    for at in SCALE_BYTES[type_name]:
+        scale = (torch.randn(n_blocks, generator=g) * 0.01).to(torch.float16)
+        blocks[:, at:at + 2] = scale.view(torch.uint8).view(n_blocks, 2)
+    return blocks
+
+
 def dequantize_blocks(blocks: torch.Tensor, type_name: str, out: torch.Tensor | None = None) -> torch.Tensor:
     """The weights of ``blocks`` ([n, block bytes]) in GGML type ``type_name``, written to ``out``
     ([n, block elements], any float dtype; float32 made where not given): the scales of all the

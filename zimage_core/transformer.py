@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from . import attention_input, compression, device_memory, elementwise, host_memory, planner, plans
+from . import attention_input, compression, device_memory, elementwise, host_memory, planner, plans, triton_dequant
 from .checkpoint import Checkpoint
 from .config import BIG_KEYS, ZImageConfig
 from .device_copies import DeviceCopies, module_tensors
@@ -48,11 +48,12 @@ def fixed_tensor(ckpt: Checkpoint, key: str, dtype: torch.dtype, mapped: bool) -
     return ckpt.tensor(key, dtype=dtype) if t is None else t
 
 
-def check_kernels_soon(device, total_bytes: int, compress: bool = True):
+def check_kernels_soon(device, total_bytes: int, compress: bool = True, quantized: bool = False):
     """Start the once-per-device checks of the Triton kernels a model of ``total_bytes`` will run on
     ``device``, each on a thread of its own: the attention inputs' and the norms' on every GPU
     (``attention_input.runs_on.soon``, ``elementwise.runs_on.soon``), the decode's where the model will stream (it does not fit in
-    what is free) and may store its layers compressed (``compression.decodes_on.soon``). The first
+    what is free) and may store its layers compressed (``compression.decodes_on.soon``), the
+    dequantization's for a GGUF (``triton_dequant.runs_on.soon``). The first
     forward asks them, and their compiles take a second: started when the prompt's encode starts
     (ComfyUI loads the transformer after it), they run beside the encode."""
     device = torch.device(device)
@@ -62,6 +63,8 @@ def check_kernels_soon(device, total_bytes: int, compress: bool = True):
     elementwise.runs_on.soon(device)
     if compress and total_bytes > device_free_bytes(device):
         compression.decodes_on.soon(device)
+    if quantized:
+        triton_dequant.runs_on.soon(device)
 
 
 class ZImageTransformer(torch.nn.Module):
@@ -124,7 +127,7 @@ class ZImageTransformer(torch.nn.Module):
             # while it computes, from one host master per dtype
             fixed = DeviceCopies(module_tensors(model), dev, pool)
             t = cls(model, streamer, ckpt, fixed, settings, check_interrupt)
-            check_kernels_soon(dev, t.total_bytes, config.can_compress)
+            check_kernels_soon(dev, t.total_bytes, config.can_compress, config.quantized)
             if home == dev:
                 t.to_device()
             return t
