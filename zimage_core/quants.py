@@ -5,11 +5,11 @@ equal to the ``gguf`` package's reference dequantization to the bit: the same fl
 the same order (``tests/test_quants.py``). Given ``out`` (that shape, any float dtype), the last
 operation writes its float32 result there, rounded once.
 
-Each type is split in two: its blocks' scales (a few floats a block, worked out once for all the
-blocks given) and its values (``PIECE`` weights at a time, a handful of kernels each). On a GPU a
-layer's dequantization is bound by how many kernels it launches, not by its bytes: the per-block
-scales of a K-quant take a dozen small kernels, and working them out for every piece made a Q4_K
-layer cost five times a Q8_0 one."""
+These are the reference the CPU runs, and a GPU where the one-launch kernel (``triton_dequant``,
+the same bits) does not. Each type is split in two: its blocks' scales (a few floats a block,
+worked out once for all the blocks given) and its values (``PIECE`` weights at a time, a handful
+of kernels each): on a GPU these ops are bound by how many kernels they launch, and the per-block
+scales of a K-quant take a dozen small ones."""
 from __future__ import annotations
 
 from typing import Callable, NamedTuple
