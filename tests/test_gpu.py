@@ -230,10 +230,10 @@ def test_the_dequantization_kernel_gives_the_cpus_bits(type_name):
     compiles here and gives the CPU's values to the bit (the gguf package's), over many programs
     with the last one partly masked, in float32 and rounded to bf16 and fp16 as torch rounds."""
     from zimage_core import quants, triton_dequant
-    assert triton_dequant.runs_on(torch.device("cuda")), "the kernel did not compile or gave other bits (see the log)"
     q = quants.TYPES[type_name]
     blocks = quants.random_blocks(type_name, 4099, seed=5)
     for dtype, bits in ((torch.float32, torch.int32), (torch.bfloat16, torch.int16), (torch.float16, torch.int16)):
+        assert triton_dequant.runs_on(torch.device("cuda"), type_name, dtype), "it did not compile or gave other bits (the log says)"
         want = quants.dequantize_blocks(blocks, type_name).to(dtype)
         got = torch.full((4099, q.elements), float("nan"), dtype=dtype, device="cuda")
         triton_dequant.dequantize_blocks(blocks.cuda(), type_name, got)

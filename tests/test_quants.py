@@ -71,6 +71,9 @@ for name, q in quants.TYPES.items():
         triton_dequant.dequantize_blocks(blocks, name, got)
         if not torch.equal(got.view(want.dtype), want):
             bad.append(f"{name} {dtype}")
+    for dtype in (torch.float32, torch.float16):  # the check a device runs once, here where it rounds as torch does
+        if triton_dequant.check(torch.device("cpu"), name, dtype) is not None:
+            bad.append(f"{name} {dtype}: check")
 print(bad)
 sys.exit(1 if bad else 0)
 """

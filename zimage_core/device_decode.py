@@ -17,7 +17,7 @@ def dequantize_run(blocks: torch.Tensor, type_name: str, region: torch.Tensor, s
     (``triton_dequant``), else by torch's ops; the same bits either way."""
     per = quants.TYPES[type_name].elements
     out = region[start:start + blocks.shape[0] * per].view(-1, per)
-    if blocks.is_cuda and triton_dequant.runs_on(blocks.device):
+    if blocks.is_cuda and triton_dequant.runs_on(blocks.device, type_name, region.dtype):
         triton_dequant.dequantize_blocks(blocks, type_name, out)
     else:
         quants.dequantize_blocks(blocks, type_name, out)

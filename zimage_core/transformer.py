@@ -48,12 +48,12 @@ def fixed_tensor(ckpt: Checkpoint, key: str, dtype: torch.dtype, mapped: bool) -
     return ckpt.tensor(key, dtype=dtype) if t is None else t
 
 
-def check_kernels_soon(device, total_bytes: int, compress: bool = True, quantized: bool = False):
+def check_kernels_soon(device, total_bytes: int, compress: bool = True, quant_types=(), dtype=torch.bfloat16):
     """Start the once-per-device checks of the Triton kernels a model of ``total_bytes`` will run on
     ``device``, each on a thread of its own: the attention inputs' and the norms' on every GPU
     (``attention_input.runs_on.soon``, ``elementwise.runs_on.soon``), the decode's where the model will stream (it does not fit in
     what is free) and may store its layers compressed (``compression.decodes_on.soon``), the
-    dequantization's for a GGUF (``triton_dequant.runs_on.soon``). The first
+    dequantization's of a GGUF's ``quant_types`` into ``dtype`` (``triton_dequant.check_soon``). The first
     forward asks them, and their compiles take a second: started when the prompt's encode starts
     (ComfyUI loads the transformer after it), they run beside the encode."""
     device = torch.device(device)
@@ -63,8 +63,7 @@ def check_kernels_soon(device, total_bytes: int, compress: bool = True, quantize
     elementwise.runs_on.soon(device)
     if compress and total_bytes > device_free_bytes(device):
         compression.decodes_on.soon(device)
-    if quantized:
-        triton_dequant.runs_on.soon(device)
+    triton_dequant.check_soon(device, quant_types, dtype)
 
 
 class ZImageTransformer(torch.nn.Module):
@@ -114,7 +113,8 @@ class ZImageTransformer(torch.nn.Module):
             pool = HostPool("transformer", pin=dev.type == "cuda", cap_bytes=settings.pinned_cap)
             config = StreamConfig(PackLayout(cfg, storage), dev, compress=settings.compress != "off",
                                   quantized=ckpt.streams_blocks)
-            streamer = LayerStreamer(config, [layer_pieces(ckpt, f"{name}.") for name in cfg.block_names()], pool)
+            sources = [layer_pieces(ckpt, f"{name}.") for name in cfg.block_names()]
+            streamer = LayerStreamer(config, sources, pool)
             with torch.device("meta"):
                 model = ZImageDiT(cfg, compute, runner=streamer, attention=attention)
             # on a GPU the fixed part's master is the file's own pages, locked in place (``DeviceCopies``):
@@ -127,7 +127,9 @@ class ZImageTransformer(torch.nn.Module):
             # while it computes, from one host master per dtype
             fixed = DeviceCopies(module_tensors(model), dev, pool)
             t = cls(model, streamer, ckpt, fixed, settings, check_interrupt)
-            check_kernels_soon(dev, t.total_bytes, config.can_compress, config.quantized)
+            quant_types = {p.tensor.type_name for src in sources for parts in src.values() for _, p in parts} \
+                if config.quantized else ()
+            check_kernels_soon(dev, t.total_bytes, config.can_compress, quant_types, compute)
             if home == dev:
                 t.to_device()
             return t

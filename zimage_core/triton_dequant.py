@@ -9,17 +9,18 @@ step's products.
 The arithmetic is ``quants``' (the ``gguf`` package's): the same float32 operations in the same
 order, products and sums not fused into one rounding (``enable_fp_fusion=False``), the result
 rounded once to the slot's dtype (nearest even). Whether the kernel runs on a device is decided once
-(``runs_on``: it must give the bits ``quants`` gives for every type); where Triton does not import
-or compile, ``quants`` dequantizes there, with the same bits.
+per type and dtype (``runs_on``: it must give the bits ``quants`` gives); where Triton does not
+import or compile, ``quants`` dequantizes there, with the same bits.
 """
 from __future__ import annotations
 
 import functools
+import threading
 
 import torch
 
 from . import quants
-from .device_check import triton_check
+from .device_check import DeviceCheck, triton_check
 
 BLOCK = 1024  # weights a program writes
 KINDS = {name: k for k, name in enumerate(quants.TYPES)}  # each type's branch in the kernel
@@ -93,21 +94,40 @@ def dequantize_blocks(blocks: torch.Tensor, type_name: str, out: torch.Tensor):
                                      OUT_F32=out.dtype == torch.float32, BLOCK=BLOCK, enable_fp_fusion=False)
 
 
-def check(device: torch.device) -> str | None:
-    """None where the kernel gives ``quants``' bits for every type, in float32 and bf16 (blocks of
-    random bytes with finite, spread scales: every code and scale pattern), else why not."""
-    for name, q in quants.TYPES.items():
-        blocks = quants.random_blocks(name, 256, seed=len(name)).to(device)
-        for dtype, bits in ((torch.float32, torch.int32), (torch.bfloat16, torch.int16)):
-            want = quants.dequantize_blocks(blocks, name, torch.empty(256, q.elements, dtype=dtype, device=device))
-            got = torch.full_like(want, float("nan"))
-            dequantize_blocks(blocks, name, got)
-            if not torch.equal(got.view(bits), want.view(bits)):
-                return f"its {name} weights in {dtype} are not the gguf package's"
-    return None
+def check(device: torch.device, type_name: str, dtype: torch.dtype) -> str | None:
+    """None where the kernel gives ``quants``' bits for ``type_name`` in ``dtype`` on ``device``
+    (blocks of random bytes with finite scales: every code pattern), else why not."""
+    blocks = quants.random_blocks(type_name, 256, seed=len(type_name)).to(device)
+    want = quants.dequantize_blocks(blocks, type_name,
+                                    torch.empty(256, quants.TYPES[type_name].elements, dtype=dtype, device=device))
+    got = torch.full_like(want, float("nan"))
+    dequantize_blocks(blocks, type_name, got)
+    bits = torch.int32 if dtype == torch.float32 else torch.int16
+    return None if torch.equal(got.view(bits), want.view(bits)) else f"its {type_name} weights in {dtype} are not the gguf package's"
 
 
-# asked where a quantized model first dequantizes on a device; started early where one loads
-# (``transformer.check_kernels_soon``)
-runs_on = triton_check(check, "the fused GGUF dequantization", "torch's ops dequantize instead (slower, same images)",
-                       "zimage-dequant-check")
+_checks, _lock = {}, threading.Lock()
+
+
+def _check(type_name: str, dtype: torch.dtype) -> DeviceCheck:
+    """The once-per-device check of one type into one dtype: a compile each (a second or so, a few
+    tenths from Triton's cache on disk), so only the types a file holds are compiled."""
+    with _lock:
+        if (type_name, dtype) not in _checks:
+            _checks[type_name, dtype] = triton_check(
+                functools.partial(check, type_name=type_name, dtype=dtype), f"the fused {type_name} dequantization",
+                "torch's ops dequantize instead (slower, same images)", "zimage-dequant-check")
+        return _checks[type_name, dtype]
+
+
+def runs_on(device, type_name: str, dtype: torch.dtype) -> bool:
+    """Whether the kernel dequantizes ``type_name`` into ``dtype`` on ``device`` (asked where a run
+    is first dequantized there; the check runs once)."""
+    return _check(type_name, dtype)(device)
+
+
+def check_soon(device, type_names, dtype: torch.dtype):
+    """Start the checks of the GGML types among ``type_names`` into ``dtype`` on a CUDA device,
+    each on a thread of its own (``transformer.check_kernels_soon``)."""
+    for name in set(type_names) & set(quants.TYPES):
+        _check(name, dtype).soon(device)
