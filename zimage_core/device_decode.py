@@ -97,8 +97,8 @@ class DeviceDecode:
 
     def dequantize(self, blocks: dict, layout, dst) -> torch.cuda.Stream:
         """A quantized layer's matrices ({name: GGUFTensor} in host memory) into the packed layer
-        ``dst``: a run of whole blocks (at most a buffer) at a time; a matrix the file stores plain, its values cast. Returns the decode
-        stream, where the layer is done."""
+        ``dst``: a run of whole blocks (at most a buffer) at a time; a matrix the file stores plain,
+        its values cast. Returns the decode stream, where the layer is done."""
         for name, t in blocks.items():
             region = layout.region(dst, name).view(-1)
             if t.data.is_cuda:  # kept on the device (``HostMasters.keep_on_device``): nothing crosses
