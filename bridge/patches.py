@@ -7,7 +7,10 @@ into a slot, or once in its resident buffer (``LayerStreamer.set_patch``), from 
 held on the device. No host master, compressed master or file-backed layer is written or copied
 for a patch, so a new LoRA costs no pass over the model and removing it costs the re-upload of the
 resident layers it changed. The few fixed-part weights a LoRA may touch (embedders, adaLN) are
-patched once where they live. The first forward checks every patched weight (finite, changed)
+patched once where they live. A matrix whose patches are all plain LoRAs (the common case) has
+the elementwise part of ComfyUI's arithmetic done in one kernel (``triton_lora``: the same
+roundings, the same bits; ComfyUI's own code computes the rest). The first forward checks every
+patched weight (finite, changed)
 and reads the checks back once: a patch that makes a weight NaN or infinite is named with the
 LoRA file it came from (the model file is not blamed), and the console counts the weights it
 changed.
@@ -25,7 +28,9 @@ import comfy.lora
 import comfy.model_management as mm
 import comfy.model_patcher
 import comfy.utils
+from comfy.weight_adapter.lora import LoRAAdapter
 
+from ..zimage_core import triton_lora
 from ..zimage_core.errors import PatchError
 from ..zimage_core.weights import Weights
 from .prompt import files_of_running_node
@@ -142,7 +147,9 @@ def _on_device(data, device):
     """A patch's data with its (small) tensors on ``device``: a LoRA adapter's weights, an older
     tuple's, nested lists; anything else as it is."""
     if isinstance(data, torch.Tensor):
-        return data.to(device) if data.nbytes <= DEVICE_PATCH_BYTES else data
+        # a 0-d tensor (a LoRA's alpha) stays where ComfyUI keeps it: a CPU scalar enters the
+        # arithmetic at full precision, a device one is first cast to the LoRA dtype
+        return data.to(device) if 0 < data.dim() and data.nbytes <= DEVICE_PATCH_BYTES else data
     if type(data) in (tuple, list):
         return type(data)(_on_device(v, device) for v in data)
     if isinstance(getattr(data, "weights", None), tuple):  # a weight adapter (comfy.weight_adapter)
@@ -166,8 +173,9 @@ class LayerPatches:
             name = key[len(PREFIX):]
             layer, matrix = w.layer_of(name)
             entries = [(strength, _on_device(data, w.device), *rest) for strength, data, *rest in patches[key]]
-            self.by_layer.setdefault(layer, []).append(
-                (matrix, key, entries, _held_dtype(w, name, w.storage_dtype), string_to_seed(key)))
+            held = _held_dtype(w, name, w.storage_dtype)
+            low_rank = LowRank.of(entries, held, w.storage_dtype, w.device)
+            self.by_layer.setdefault(layer, []).append((matrix, key, entries, held, string_to_seed(key), low_rank))
         self.layers = set(self.by_layer)
         self._unchecked = set(keys)   # keys whose first result has not been read back yet
         self._checks = {}             # key -> (finite, changed): 0-d bools on the device
@@ -175,8 +183,16 @@ class LayerPatches:
         self._changed = 0
 
     def apply(self, i, views):
-        for matrix, key, entries, held, seed in self.by_layer[i]:
+        for matrix, key, entries, held, seed, low_rank in self.by_layer[i]:
             weight = getattr(views, matrix)
+            if low_rank is not None and low_rank.runs_on(weight):
+                if key in self._unchecked:  # into a copy first: the check compares it with the weight
+                    value = low_rank(weight, torch.empty_like(weight))
+                    self._checks[key] = _checks(value, value, weight)
+                    weight.copy_(value)
+                else:
+                    low_rank(weight, weight)
+                continue
             out, value = _patched(entries, weight, key, held, seed)
             if key in self._unchecked:
                 self._checks[key] = _checks(out, value, weight)
@@ -200,6 +216,50 @@ class LayerPatches:
         if not self._unchecked:
             changed, unchanged = self._fixed
             _say_count(self._changed + changed, len(self.sources) - self._changed + unchanged)
+
+
+class LowRank:
+    """One weight's patches when each is a plain LoRA (``up @ down`` times strength and alpha over
+    the rank: no mid weight, DoRA, reshape, offset, function or model strength) and the patched
+    weight is held in the slot's dtype: ComfyUI's ``calculate_weight`` with its elementwise part in
+    one kernel. ``up @ down`` is ComfyUI's product, made by the same torch call."""
+
+    def __init__(self, terms, inter):
+        self.terms, self.inter = terms, inter  # terms: (up, down, scale as float32)
+
+    @classmethod
+    def of(cls, entries, held, dtype, device):
+        """The ``LowRank`` of ``entries`` (ModelPatcher's tuples, tensors on ``device``), or None
+        where ComfyUI's code must compute them, or where no kernel can (not CUDA)."""
+        inter = mm.lora_compute_dtype(device)
+        if torch.device(device).type != "cuda" or held != dtype or dtype not in triton_lora.DTYPES:
+            return None
+        terms = []
+        for strength, data, strength_model, offset, function in entries:
+            if type(data) is not LoRAAdapter or strength_model != 1.0 or offset is not None or function is not None:
+                return None
+            up, down, alpha, mid, dora, reshape = data.weights[:6]
+            if mid is not None or dora is not None or reshape is not None:
+                return None
+            # ComfyUI's expression: a LoRA's alpha is a CPU tensor (or None), divided by the rank
+            scale = strength * (alpha / down.shape[0] if alpha is not None else 1.0)
+            terms.append((up, down, float(torch.as_tensor(scale).to(torch.float32))))
+        triton_lora.check_soon(device, inter, dtype)
+        return cls(terms, inter)
+
+    def runs_on(self, weight) -> bool:
+        return weight.is_contiguous() and triton_lora.runs_on(weight.device, self.inter, weight.dtype)
+
+    def __call__(self, weight, out):
+        """``out`` = the patched ``weight`` (``out`` may be ``weight``)."""
+        value = weight
+        for n, (up, down, scale) in enumerate(self.terms):
+            diff = torch.mm(up.to(weight.device, self.inter).flatten(start_dim=1),
+                            down.to(weight.device, self.inter).flatten(start_dim=1))
+            dst = out if n == len(self.terms) - 1 else torch.empty(weight.shape, dtype=self.inter, device=weight.device)
+            triton_lora.add_scaled(value, diff.view(weight.shape), scale, dst)
+            value = dst
+        return out
 
 
 def _tensors(data):

@@ -22,7 +22,7 @@ import time
 import pytest
 import torch
 
-from comfy_env import COMFYUI_PATH, comfyui_version, needs_comfyui
+from comfy_env import COMFYUI_PATH, comfyui_version, needs_comfyui, run_check
 from comfy_identity import LORA, differences, run_session, session, table, write_lora
 from comfy_server import ROOT, TE_LAYERS_FULL, make_base_dir, server_flags, start_server, stop_server
 from test_comfy_server import image_stats, node_of, official_template, pack_workflow
@@ -116,3 +116,14 @@ def test_the_pack_on_the_gpu_matches_the_official_template(gpu_base_dir, dynamic
         assert "layers on the GPU" in log  # the pack streamed on the GPU, not on the CPU
     finally:
         stop_server(client)
+
+
+def test_the_fused_lora_patch_gives_comfyuis_bits(tmp_path):
+    """A plain LoRA's patch on the GPU (one kernel for the elementwise part, ``bridge.patches.LowRank``)
+    equals ComfyUI's own ``calculate_weight`` and rounding to the bit, into a copy and in place, in
+    bf16 and fp16, with alpha a float32 or bf16 tensor or absent, one LoRA or two stacked."""
+    res = run_check(tmp_path, "comfy_lora_kernel_check.py", timeout=600)
+    print(f"\nComfyUI {comfyui_version()}: LoRA dtype {res.pop('lora_dtype')}")
+    for case, r in res.items():
+        print(f"  {case}: {r}")
+    assert all(r["ran"] and r["same"] and r["changed"] for r in res.values()), res

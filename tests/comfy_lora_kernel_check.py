@@ -1,0 +1,57 @@
+"""The fused LoRA patch (``bridge.patches.LowRank``) against ComfyUI's own ``calculate_weight`` on
+a CUDA device, in ComfyUI's process:
+
+    python comfy_lora_kernel_check.py COMFYUI_PATH OUT.json
+Writes, for each case, whether the kernel ran and whether its bits are ComfyUI's.
+"""
+import json
+import sys
+
+import comfy_process
+
+comfy_path, out_path = sys.argv[1:3]
+comfy_process.start(comfy_path, cpu=False)
+import torch  # noqa: E402
+import comfy.model_management as mm  # noqa: E402
+from comfy.weight_adapter.lora import LoRAAdapter  # noqa: E402
+
+from zimage_pack.bridge import patches  # noqa: E402
+
+device = torch.device("cuda")
+g = torch.Generator(device=device).manual_seed(3)
+
+
+def adapter(out_dim, in_dim, rank, alpha):
+    up = torch.randn(out_dim, rank, generator=g, device=device).to(torch.bfloat16) * 0.05
+    down = torch.randn(rank, in_dim, generator=g, device=device).to(torch.bfloat16) * 0.05
+    return LoRAAdapter(set(), (up, down, alpha, None, None, None))
+
+
+cases = {
+    # (strength, alpha) of each stacked LoRA; alpha a CPU tensor as ComfyUI loads it, or None
+    "strength 1, alpha = rank": [(1.0, torch.tensor(16.0))],
+    "strength 0.8, bf16 alpha 8": [(0.8, torch.tensor(8.0, dtype=torch.bfloat16))],
+    "no alpha, strength -0.37": [(-0.37, None)],
+    "two stacked, 0.5 and 1.3": [(0.5, torch.tensor(4.0)), (1.3, torch.tensor(16.0))],
+}
+results = {"lora_dtype": str(mm.lora_compute_dtype(device))}
+for name, loras in cases.items():
+    for dtype in (torch.bfloat16, torch.float16):
+        weight = (torch.randn(10240, 3840, generator=g, device=device) * 0.02).to(dtype)
+        entries = [(s, adapter(10240, 3840, 16, a), 1.0, None, None) for s, a in loras]
+        key = "diffusion_model.layers.0.feed_forward.w1.weight"
+        _, want = patches._patched(entries, weight, key, dtype, 0)
+        low_rank = patches.LowRank.of(entries, dtype, dtype, device)
+        ran = low_rank is not None and low_rank.runs_on(weight)
+        into_copy = low_rank(weight, torch.empty_like(weight)) if ran else None
+        in_place = weight.clone()
+        if ran:
+            low_rank(in_place, in_place)
+        results[f"{name}, {dtype}"] = {
+            "ran": ran,
+            "same": ran and torch.equal(into_copy.view(torch.int16), want.view(torch.int16))
+            and torch.equal(in_place.view(torch.int16), want.view(torch.int16)),
+            "changed": bool((want != weight).any()),
+        }
+with open(out_path, "w") as f:
+    json.dump(results, f, indent=1)

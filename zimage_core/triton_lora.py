@@ -1,0 +1,121 @@
+"""A low-rank weight patch's elementwise part in one Triton launch: ``weight + scale * diff``, where
+``diff`` is a LoRA's ``up @ down`` (a matrix product torch makes), with every rounding of torch's
+separate ops.
+
+ComfyUI computes a LoRA into a weight as a copy of the weight in its LoRA dtype (float32, or
+float16 where the device computes in float16), the scaled product in that dtype, their sum, and the
+sum rounded to the model's dtype: five passes over a full matrix, three of them in float32, and a
+copy into the slot. A streamed layer is patched at every upload, so on an 8 GB card that was about
+40 ms a step for a rank-16 LoRA on every matrix of the streamed layers. This kernel reads the weight
+and the product once and writes the patched weight once, in place.
+
+Each op of torch's sequence is kept: the copy rounded to the LoRA dtype, the product ``scale *
+diff`` rounded to it, the sum rounded to it, then to the output's dtype, each to nearest even, with
+no two ops fused into one rounding (``enable_fp_fusion=False``). Whether the kernel runs on a
+device is decided once per pair of dtypes (``runs_on``: it must give torch's bits); elsewhere
+torch's ops run, with the same bits.
+"""
+from __future__ import annotations
+
+import functools
+import threading
+
+import torch
+
+from .device_check import DeviceCheck, triton_check
+
+BLOCK = 2048  # elements a program writes
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@functools.cache
+def _kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def add_scaled(base, diff, out, scale, n, HALF: tl.constexpr, OUT_F32: tl.constexpr, BLOCK: tl.constexpr):
+        """out = base + scale * diff, in ``diff``'s dtype (``HALF``: a 16-bit one), as torch's ops round."""
+        i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = i < n
+        it = diff.dtype.element_ty
+        b = tl.load(base + i, mask=mask, other=0.0).to(tl.float32)
+        p = scale * tl.load(diff + i, mask=mask, other=0.0).to(tl.float32)
+        if HALF:  # the copy of the weight and the product, each held in the LoRA dtype
+            b = b.to(it, fp_downcast_rounding="rtne").to(tl.float32)
+            p = p.to(it, fp_downcast_rounding="rtne").to(tl.float32)
+        t = b + p
+        if HALF:
+            t = t.to(it, fp_downcast_rounding="rtne").to(tl.float32)
+        if OUT_F32:
+            tl.store(out + i, t, mask=mask)
+        else:
+            tl.store(out + i, t.to(out.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
+
+    return add_scaled
+
+
+def add_scaled(base: torch.Tensor, diff: torch.Tensor, scale: float, out: torch.Tensor):
+    """``out`` = torch's ``t = base.to(diff.dtype, copy=True); t += scale * diff; t.to(out.dtype)``, in
+    one launch on the current stream. All three contiguous, of one shape, on one CUDA device; ``out``
+    may be ``base`` (in place); ``scale`` a float32 value (as torch holds a Python scalar for
+    float32 and 16-bit tensors)."""
+    n = out.numel()
+    if n:
+        _kernel()[(-(-n // BLOCK),)](base, diff, out, scale, n, HALF=diff.element_size() == 2,
+                                     OUT_F32=out.dtype == torch.float32, BLOCK=BLOCK, enable_fp_fusion=False)
+
+
+def torch_add_scaled(base: torch.Tensor, diff: torch.Tensor, scale: float, out: torch.Tensor):
+    """What ``add_scaled`` computes, in torch's ops (ComfyUI's order)."""
+    t = base.to(diff.dtype, copy=True)
+    t += scale * diff
+    out.copy_(t)
+
+
+def check(device: torch.device, inter: torch.dtype, dtype: torch.dtype) -> str | None:
+    """None where the kernel gives torch's bits on ``device`` for weights in ``dtype`` patched in the
+    LoRA dtype ``inter`` (values near the 16-bit roundings' edges and overflows among them), else why not."""
+    g = torch.Generator().manual_seed(11)
+    n = 3 * BLOCK + 5  # a last program that is partly masked
+    # sums that overflow a 16-bit LoRA dtype to infinity, but no infinity minus infinity (a NaN's bits
+    # are not the arithmetic's)
+    base = (torch.randn(n, generator=g) * torch.logspace(-6, 4, n)).clamp(-6e4, 6e4).to(dtype).to(device)
+    diff = (torch.randn(n, generator=g) * 70000 ** torch.rand(n, generator=g)).clamp(-6e4, 6e4).to(inter).to(device)
+    for scale in (0.37, -1.0, 3.0517578125e-05):
+        scale = float(torch.tensor(scale, dtype=torch.float32))
+        for out_dtype in {inter, dtype}:
+            want = torch.empty(n, dtype=out_dtype, device=device)
+            torch_add_scaled(base, diff, scale, want)
+            got = torch.full_like(want, float("nan"))
+            add_scaled(base, diff, scale, got)
+            bits = {4: torch.int32, 2: torch.int16}[want.element_size()]
+            if not torch.equal(got.view(bits), want.view(bits)):
+                return f"its {dtype} weights patched in {inter} into {out_dtype} are not torch's"
+    return None
+
+
+_checks, _lock = {}, threading.Lock()
+
+
+def _check(inter: torch.dtype, dtype: torch.dtype) -> DeviceCheck:
+    with _lock:
+        if (inter, dtype) not in _checks:
+            _checks[inter, dtype] = triton_check(
+                functools.partial(check, inter=inter, dtype=dtype), "the fused LoRA patch",
+                "torch's ops patch the streamed layers instead (slower, same images)", "zimage-lora-check")
+        return _checks[inter, dtype]
+
+
+def runs_on(device, inter: torch.dtype, dtype: torch.dtype) -> bool:
+    """Whether the kernel patches weights of ``dtype`` in the LoRA dtype ``inter`` on ``device`` (a
+    CUDA device; the check, a compile and a run, happens once per pair, where first asked)."""
+    if torch.device(device).type != "cuda" or inter not in DTYPES or dtype not in DTYPES:
+        return False
+    return _check(inter, dtype)(device)
+
+
+def check_soon(device, inter: torch.dtype, dtype: torch.dtype):
+    """Start that check on a thread of its own (when a LoRA is applied, before its first upload)."""
+    if torch.device(device).type == "cuda" and inter in DTYPES and dtype in DTYPES:
+        _check(inter, dtype).soon(device)
