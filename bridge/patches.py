@@ -254,10 +254,12 @@ class LowRank:
         """``out`` = the patched ``weight`` (``out`` may be ``weight``)."""
         value = weight
         for n, (up, down, scale) in enumerate(self.terms):
-            diff = torch.mm(up.to(weight.device, self.inter).flatten(start_dim=1),
-                            down.to(weight.device, self.inter).flatten(start_dim=1))
+            # calculate_weight's product is float32 (ModelPatcher leaves its intermediate dtype at the
+            # default); the weight's copy, and so the sum, is in the device's LoRA dtype
+            diff = torch.mm(up.to(weight.device, torch.float32).flatten(start_dim=1),
+                            down.to(weight.device, torch.float32).flatten(start_dim=1))
             dst = out if n == len(self.terms) - 1 else torch.empty(weight.shape, dtype=self.inter, device=weight.device)
-            triton_lora.add_scaled(value, diff.view(weight.shape), scale, dst)
+            triton_lora.add_scaled(value, diff.view(weight.shape), scale, dst, self.inter)
             value = dst
         return out
 

@@ -21,10 +21,10 @@ for inter in (torch.float32, torch.float16):
     # bf16 weights read exactly; the sum rounded to the LoRA dtype
     g = torch.Generator().manual_seed(1)
     base = torch.randn(5000, generator=g).to(torch.bfloat16)
-    diff = torch.randn(5000, generator=g).to(inter)
+    diff = torch.randn(5000, generator=g)
     want, got = torch.empty(5000, dtype=inter), torch.empty(5000, dtype=inter)
-    triton_lora.torch_add_scaled(base, diff, 0.3, want)
-    triton_lora.add_scaled(base, diff, 0.3, got)
+    triton_lora.torch_add_scaled(base, diff, 0.3, want, inter)
+    triton_lora.add_scaled(base, diff, 0.3, got, inter)
     if not torch.equal(got, want):
         bad.append(f"bf16 weights patched in {inter}")
 print(bad)

@@ -1,6 +1,6 @@
 """A low-rank weight patch's elementwise part in one Triton launch: ``weight + scale * diff``, where
-``diff`` is a LoRA's ``up @ down`` (a matrix product torch makes), with every rounding of torch's
-separate ops.
+``diff`` is a LoRA's ``up @ down`` in float32 (a matrix product torch makes), with every rounding
+of torch's separate ops.
 
 ComfyUI computes a LoRA into a weight as a copy of the weight in its LoRA dtype (float32, or
 float16 where the device computes in float16), the scaled product in that dtype, their sum, and the
@@ -10,7 +10,7 @@ copy into the slot. A streamed layer is patched at every upload, so on an 8 GB c
 and the product once and writes the patched weight once, in place.
 
 Each op of torch's sequence is kept: the copy rounded to the LoRA dtype, the product ``scale *
-diff`` rounded to it, the sum rounded to it, then to the output's dtype, each to nearest even, with
+diff`` computed in float32 and rounded to it, the sum rounded to it, then to the output's dtype, each to nearest even, with
 no two ops fused into one rounding (``enable_fp_fusion=False``). Whether the kernel runs on a
 device is decided once per pair of dtypes (``runs_on``: it must give torch's bits); elsewhere
 torch's ops run, with the same bits.
@@ -34,19 +34,23 @@ def _kernel():
     import triton.language as tl
 
     @triton.jit
-    def add_scaled(base, diff, out, scale, n, HALF: tl.constexpr, OUT_F32: tl.constexpr, BLOCK: tl.constexpr):
-        """out = base + scale * diff, in ``diff``'s dtype (``HALF``: a 16-bit one), as torch's ops round."""
+    def add_scaled(base, diff, out, scale, n, INTER: tl.constexpr, OUT_F32: tl.constexpr, BLOCK: tl.constexpr):
+        """out = base + scale * diff (``diff`` in float32), the copy of ``base``, the product and the
+        sum each held in the LoRA dtype (``INTER``: 0 float32, 1 float16, 2 bfloat16) as torch's ops round."""
         i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = i < n
-        it = diff.dtype.element_ty
         b = tl.load(base + i, mask=mask, other=0.0).to(tl.float32)
-        p = scale * tl.load(diff + i, mask=mask, other=0.0).to(tl.float32)
-        if HALF:  # the copy of the weight and the product, each held in the LoRA dtype
-            b = b.to(it, fp_downcast_rounding="rtne").to(tl.float32)
-            p = p.to(it, fp_downcast_rounding="rtne").to(tl.float32)
-        t = b + p
-        if HALF:
-            t = t.to(it, fp_downcast_rounding="rtne").to(tl.float32)
+        p = scale * tl.load(diff + i, mask=mask, other=0.0)
+        if INTER == 1:
+            b = b.to(tl.float16, fp_downcast_rounding="rtne").to(tl.float32)
+            p = p.to(tl.float16, fp_downcast_rounding="rtne").to(tl.float32)
+            t = (b + p).to(tl.float16, fp_downcast_rounding="rtne").to(tl.float32)
+        elif INTER == 2:
+            b = b.to(tl.bfloat16, fp_downcast_rounding="rtne").to(tl.float32)
+            p = p.to(tl.bfloat16, fp_downcast_rounding="rtne").to(tl.float32)
+            t = (b + p).to(tl.bfloat16, fp_downcast_rounding="rtne").to(tl.float32)
+        else:
+            t = b + p
         if OUT_F32:
             tl.store(out + i, t, mask=mask)
         else:
@@ -55,21 +59,21 @@ def _kernel():
     return add_scaled
 
 
-def add_scaled(base: torch.Tensor, diff: torch.Tensor, scale: float, out: torch.Tensor):
-    """``out`` = torch's ``t = base.to(diff.dtype, copy=True); t += scale * diff; t.to(out.dtype)``, in
-    one launch on the current stream. All three contiguous, of one shape, on one CUDA device; ``out``
-    may be ``base`` (in place); ``scale`` a float32 value (as torch holds a Python scalar for
-    float32 and 16-bit tensors)."""
+def add_scaled(base: torch.Tensor, diff: torch.Tensor, scale: float, out: torch.Tensor, inter: torch.dtype):
+    """``out`` = torch's ``t = base.to(inter, copy=True); t += (scale * diff).to(inter); t.to(out.dtype)``
+    (ComfyUI's LoRA: ``diff`` the float32 product, ``inter`` its LoRA dtype), in one launch on the
+    current stream. All three contiguous, of one shape, on one CUDA device; ``out`` may be ``base``
+    (in place); ``scale`` a float32 value (as torch holds a Python scalar or a CPU one)."""
     n = out.numel()
     if n:
-        _kernel()[(-(-n // BLOCK),)](base, diff, out, scale, n, HALF=diff.element_size() == 2,
+        _kernel()[(-(-n // BLOCK),)](base, diff, out, scale, n, INTER=DTYPES.index(inter),
                                      OUT_F32=out.dtype == torch.float32, BLOCK=BLOCK, enable_fp_fusion=False)
 
 
-def torch_add_scaled(base: torch.Tensor, diff: torch.Tensor, scale: float, out: torch.Tensor):
+def torch_add_scaled(base: torch.Tensor, diff: torch.Tensor, scale: float, out: torch.Tensor, inter: torch.dtype):
     """What ``add_scaled`` computes, in torch's ops (ComfyUI's order)."""
-    t = base.to(diff.dtype, copy=True)
-    t += scale * diff
+    t = base.to(inter, copy=True)
+    t += (scale * diff).to(inter)
     out.copy_(t)
 
 
@@ -81,14 +85,14 @@ def check(device: torch.device, inter: torch.dtype, dtype: torch.dtype) -> str |
     # sums that overflow a 16-bit LoRA dtype to infinity, but no infinity minus infinity (a NaN's bits
     # are not the arithmetic's)
     base = (torch.randn(n, generator=g) * torch.logspace(-6, 4, n)).clamp(-6e4, 6e4).to(dtype).to(device)
-    diff = (torch.randn(n, generator=g) * 70000 ** torch.rand(n, generator=g)).clamp(-6e4, 6e4).to(inter).to(device)
+    diff = (torch.randn(n, generator=g) * 70000 ** torch.rand(n, generator=g)).clamp(-6e4, 6e4).to(device)
     for scale in (0.37, -1.0, 3.0517578125e-05):
         scale = float(torch.tensor(scale, dtype=torch.float32))
         for out_dtype in {inter, dtype}:
             want = torch.empty(n, dtype=out_dtype, device=device)
-            torch_add_scaled(base, diff, scale, want)
+            torch_add_scaled(base, diff, scale, want, inter)
             got = torch.full_like(want, float("nan"))
-            add_scaled(base, diff, scale, got)
+            add_scaled(base, diff, scale, got, inter)
             bits = {4: torch.int32, 2: torch.int16}[want.element_size()]
             if not torch.equal(got.view(bits), want.view(bits)):
                 return f"its {dtype} weights patched in {inter} into {out_dtype} are not torch's"
