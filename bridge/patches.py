@@ -161,7 +161,8 @@ def _on_device(data, device):
 
 class LayerPatches:
     """One patch set's streamed-layer patches, for ``LayerStreamer.set_patch``: for each layer, its
-    patched matrices' (name, key, patches on the device, rounding dtype, rounding seed). The first forward checks
+    patched matrices' (name, key, patches on the device, rounding dtype, rounding seed, ``LowRank`` or
+    None). The first forward checks
     each result on the device; ``verify`` reads the checks once, names a LoRA that made a weight NaN,
     drops the patches that changed nothing and says the count."""
 
@@ -176,6 +177,9 @@ class LayerPatches:
             held = _held_dtype(w, name, w.storage_dtype)
             low_rank = LowRank.of(entries, held, w.storage_dtype, w.device)
             self.by_layer.setdefault(layer, []).append((matrix, key, entries, held, string_to_seed(key), low_rank))
+        # the fused kernel's check (a compile) runs on a thread while the prompt's encode does
+        for inter in {e[5].inter for entries in self.by_layer.values() for e in entries if e[5]}:
+            triton_lora.check_soon(w.device, inter, w.storage_dtype)
         self.layers = set(self.by_layer)
         self._unchecked = set(keys)   # keys whose first result has not been read back yet
         self._checks = {}             # key -> (finite, changed): 0-d bools on the device
@@ -244,7 +248,6 @@ class LowRank:
             # ComfyUI's expression: a LoRA's alpha is a CPU tensor (or None), divided by the rank
             scale = strength * (alpha / down.shape[0] if alpha is not None else 1.0)
             terms.append((up, down, float(torch.as_tensor(scale).to(torch.float32))))
-        triton_lora.check_soon(device, inter, dtype)
         return cls(terms, inter)
 
     def runs_on(self, weight) -> bool:
