@@ -10,10 +10,10 @@ copy into the slot. A streamed layer is patched at every upload, so on an 8 GB c
 and the product once and writes the patched weight once, in place.
 
 Each op of torch's sequence is kept: the copy rounded to the LoRA dtype, the product ``scale *
-diff`` computed in float32 and rounded to it, the sum rounded to it, then to the output's dtype, each to nearest even, with
-no two ops fused into one rounding (``enable_fp_fusion=False``). Whether the kernel runs on a
-device is decided once per pair of dtypes (``runs_on``: it must give torch's bits); elsewhere
-torch's ops run, with the same bits.
+diff`` computed in float32 and rounded to it, the sum rounded to it, then to the output's dtype,
+each to nearest even, with no two ops fused into one rounding (``enable_fp_fusion=False``). Whether
+the kernel runs on a device is decided once per pair of dtypes (``runs_on``: it must give torch's
+bits); elsewhere torch's ops run, with the same bits.
 """
 from __future__ import annotations
 
@@ -34,21 +34,18 @@ def _kernel():
     import triton.language as tl
 
     @triton.jit
-    def add_scaled(base, diff, out, scale, n, INTER: tl.constexpr, OUT_F32: tl.constexpr, BLOCK: tl.constexpr):
+    def add_scaled(base, diff, out, scale, n, ROUND: tl.constexpr, INTER: tl.constexpr, OUT_F32: tl.constexpr,
+                   BLOCK: tl.constexpr):
         """out = base + scale * diff (``diff`` in float32), the copy of ``base``, the product and the
-        sum each held in the LoRA dtype (``INTER``: 0 float32, 1 float16, 2 bfloat16) as torch's ops round."""
+        sum each rounded to the LoRA dtype ``INTER`` where it is 16-bit (``ROUND``) as torch's ops round."""
         i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = i < n
         b = tl.load(base + i, mask=mask, other=0.0).to(tl.float32)
         p = scale * tl.load(diff + i, mask=mask, other=0.0)
-        if INTER == 1:
-            b = b.to(tl.float16, fp_downcast_rounding="rtne").to(tl.float32)
-            p = p.to(tl.float16, fp_downcast_rounding="rtne").to(tl.float32)
-            t = (b + p).to(tl.float16, fp_downcast_rounding="rtne").to(tl.float32)
-        elif INTER == 2:
-            b = b.to(tl.bfloat16, fp_downcast_rounding="rtne").to(tl.float32)
-            p = p.to(tl.bfloat16, fp_downcast_rounding="rtne").to(tl.float32)
-            t = (b + p).to(tl.bfloat16, fp_downcast_rounding="rtne").to(tl.float32)
+        if ROUND:
+            b = b.to(INTER, fp_downcast_rounding="rtne").to(tl.float32)
+            p = p.to(INTER, fp_downcast_rounding="rtne").to(tl.float32)
+            t = (b + p).to(INTER, fp_downcast_rounding="rtne").to(tl.float32)
         else:
             t = b + p
         if OUT_F32:
@@ -59,6 +56,14 @@ def _kernel():
     return add_scaled
 
 
+@functools.cache
+def _tl(dtype: torch.dtype):
+    """Triton's dtype of one of ``DTYPES`` (same names)."""
+    import triton.language as tl
+
+    return getattr(tl, str(dtype).removeprefix("torch."))
+
+
 def add_scaled(base: torch.Tensor, diff: torch.Tensor, scale: float, out: torch.Tensor, inter: torch.dtype):
     """``out`` = torch's ``t = base.to(inter, copy=True); t += (scale * diff).to(inter); t.to(out.dtype)``
     (ComfyUI's LoRA: ``diff`` the float32 product, ``inter`` its LoRA dtype), in one launch on the
@@ -66,7 +71,7 @@ def add_scaled(base: torch.Tensor, diff: torch.Tensor, scale: float, out: torch.
     (in place); ``scale`` a float32 value (as torch holds a Python scalar or a CPU one)."""
     n = out.numel()
     if n:
-        _kernel()[(-(-n // BLOCK),)](base, diff, out, scale, n, INTER=DTYPES.index(inter),
+        _kernel()[(-(-n // BLOCK),)](base, diff, out, scale, n, ROUND=inter != torch.float32, INTER=_tl(inter),
                                      OUT_F32=out.dtype == torch.float32, BLOCK=BLOCK, enable_fp_fusion=False)
 
 

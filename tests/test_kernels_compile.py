@@ -1,0 +1,102 @@
+"""Every Triton kernel of the pack compiled for the GPUs its users have, on the CPU, where Triton
+is installed (it comes with torch's CUDA builds): the consumer cards of the last four generations
+(compute capability 7.5, 8.6, 8.9, 12.0: the 6 GB cards among them) and the data-centre ones (8.0,
+9.0). The GPU tests run the kernels on one H200 only; a kernel that would not compile on a user's
+card would fall back to torch's ops there without a word in any test. Each kernel is compiled for the calls its module's
+own entry points make (recorded, not launched), so the signatures are the real ones."""
+import pytest
+import torch
+
+from zimage_core import attention_input, elementwise, quants, triton_decode, triton_dequant, triton_lora
+
+CAPABILITIES = (75, 80, 86, 89, 90, 120)
+TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.uint8: "u8",
+         torch.int8: "i8", torch.int16: "i16", torch.int32: "i32", torch.int64: "i64"}
+
+
+class Recorder:
+    """Stands for a compiled kernel: ``kernel[grid](*args, **kwargs)`` records the call."""
+
+    def __init__(self, kernel):
+        self.kernel, self.calls = kernel, []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.calls.append((args, kwargs))
+
+
+def source(kernel, args, kwargs):
+    """Triton's source of one call: the arguments' types and the constexprs' values; the rest of
+    ``kwargs`` are compile options."""
+    from triton.compiler import ASTSource
+
+    names = kernel.arg_names
+    constexprs = {p.name for p in kernel.params if p.is_constexpr}
+    values = dict(zip(names, args)) | {k: v for k, v in kwargs.items() if k in names}
+    signature = {}
+    for name in names:
+        v = values[name]
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif isinstance(v, torch.Tensor):
+            signature[name] = "*" + TYPES[v.dtype]
+        elif isinstance(v, bool):
+            signature[name] = "i1"
+        elif isinstance(v, int):
+            signature[name] = "i32" if -2 ** 31 <= v < 2 ** 31 else "i64"
+        else:
+            signature[name] = "fp32"
+    options = {k: v for k, v in kwargs.items() if k not in names}
+    return ASTSource(kernel, signature, {k: values[k] for k in constexprs}), options
+
+
+def recorded_calls(monkeypatch):
+    """Every (kernel, args, kwargs) the modules' entry points make at Z-Image's sizes, for each
+    dtype and branch they take."""
+    recorders = {}
+
+    def record(module, getter):
+        real = getattr(module, getter)()
+        wrapped = tuple(Recorder(k) for k in real) if isinstance(real, tuple) else Recorder(real)
+        monkeypatch.setattr(module, getter, lambda: wrapped)
+        recorders[module.__name__] = wrapped if isinstance(wrapped, tuple) else (wrapped,)
+
+    record(triton_lora, "_kernel")
+    record(triton_dequant, "_kernel")
+    record(triton_decode, "_kernels")
+    record(elementwise, "_kernels")
+    record(attention_input, "_kernel")
+
+    dtypes = (torch.float32, torch.float16, torch.bfloat16)
+    n = 3 * triton_lora.BLOCK + 5
+    for inter in dtypes:
+        for dtype in dtypes:
+            for out in {inter, dtype}:
+                triton_lora.add_scaled(torch.empty(n, dtype=dtype), torch.empty(n), 0.5,
+                                       torch.empty(n, dtype=out), inter)
+    for name, q in quants.TYPES.items():
+        for out in dtypes:
+            triton_dequant.dequantize_blocks(torch.empty(4, q.nbytes, dtype=torch.uint8), name,
+                                             torch.empty(4, q.elements, dtype=out))
+    for aligned in (True, False):
+        triton_decode.decode(torch.empty(4096, dtype=torch.uint8), torch.zeros(3, 7, dtype=torch.int64), 4096, 16,
+                             torch.empty(8192, dtype=torch.bfloat16), aligned)
+    elementwise.check(torch.device("cpu"))  # its three kernels, at Z-Image's sizes
+    attention_input.check(torch.device("cpu"))
+    calls = [(r.kernel, args, kwargs) for rs in recorders.values() for r in rs for args, kwargs in r.calls]
+    assert all(r.calls for rs in recorders.values() for r in rs), "a kernel was never called"
+    return calls
+
+
+@pytest.mark.parametrize("capability", CAPABILITIES)
+def test_every_kernel_compiles_for(capability, monkeypatch):
+    triton = pytest.importorskip("triton", reason="Triton is not installed (it comes with torch's CUDA builds)")
+    from triton.backends.compiler import GPUTarget
+
+    failed = []
+    for kernel, args, kwargs in recorded_calls(monkeypatch):
+        src, options = source(kernel, args, kwargs)
+        try:
+            triton.compile(src, target=GPUTarget("cuda", capability, 32), options=options)
+        except Exception as e:  # noqa: BLE001 - every failure is reported, with its kernel
+            failed.append(f"{kernel.__name__} {kwargs}: {type(e).__name__}: {str(e)[:300]}")
+    assert not failed, "\n".join(failed)
