@@ -1,6 +1,6 @@
-"""Weight patches (LoRA and the like) on the streamed transformer, computed exactly as ComfyUI's
-ModelPatcher computes them (``calculate_weight`` in the device's LoRA compute dtype, then the
-rounding ComfyUI applies, seeded by the key).
+"""Weight patches (LoRA and the like) on the streamed transformer and the streamed text encoder,
+computed exactly as ComfyUI's ModelPatcher computes them (``calculate_weight`` in the device's LoRA
+compute dtype, then the rounding ComfyUI applies, seeded by the key).
 
 The streamed layers' matrices are patched on the device as each layer arrives: after its upload
 into a slot, or once in its resident buffer (``LayerStreamer.set_patch``), from the patches' tensors
@@ -69,19 +69,22 @@ def apply(patcher, w: Weights):
     in place (keys a previous set patched there and this one does not are restored from the file)."""
     if w.patches_uuid == patcher.patches_uuid:
         return
-    wanted = {k for k in patcher.patches if k.startswith(PREFIX)}
-    layered = {k for k in wanted if w.layer_of(k[len(PREFIX):]) is not None}
-    fixed_unchanged = _apply_fixed(patcher, w, wanted - layered)
-    layers = LayerPatches(w, patcher.patches, layered, len(wanted - layered) - fixed_unchanged, fixed_unchanged) \
-        if layered else None
+    names = {k: k[len(PREFIX):] for k in patcher.patches if k.startswith(PREFIX)}
+    where = {k: (*at, _held_dtype(w, n, w.storage_dtype)) for k, n in names.items() if (at := w.layer_of(n))}
+    fixed = set(names) - set(where)
+    fixed_unchanged = _apply_fixed(patcher, w, fixed)
+    layers = None
+    if where:
+        layers = LayerPatches(patcher.patches, where, w.device, w.storage_dtype,
+                              lambda: setattr(w, "patches_uuid", None), len(fixed) - fixed_unchanged, fixed_unchanged)
     w.patch_layers(layers)
     w.patches_uuid = patcher.patches_uuid
-    if wanted and layers is None:
-        _say_count(len(wanted) - fixed_unchanged, fixed_unchanged)
+    if fixed and layers is None:
+        _say_count(len(fixed) - fixed_unchanged, fixed_unchanged)
 
 
-def _say_count(changed, unchanged):
-    log.info("Z-Image: %d weight%s patched%s", changed, "" if changed == 1 else "s",
+def _say_count(changed, unchanged, model=""):
+    log.info("Z-Image: %d weight%s%s patched%s", changed, "" if changed == 1 else "s", model,
              f"; {unchanged} left unchanged (strength 0, or patches ComfyUI refused: see its messages above)"
              if unchanged else "")
 
@@ -166,38 +169,40 @@ class LayerPatches:
     each result on the device; ``verify`` reads the checks once, names a LoRA that made a weight NaN,
     drops the patches that changed nothing and says the count."""
 
-    def __init__(self, w: Weights, patches: dict, keys, fixed_changed: int, fixed_unchanged: int):
-        self.w = w
-        self.sources = {k: patches[k] for k in keys}  # ComfyUI's own entries: what ``_blame`` reads
+    def __init__(self, patches: dict, where: dict, device, dtype, forget, fixed_changed=0, fixed_unchanged=0,
+                 model=""):
+        """``where``: {key: (layer, matrix, the dtype ComfyUI rounds it to)} for the patched keys of
+        ``patches`` (a patcher's); ``dtype``: the layers'; ``forget()`` makes the next prompt apply
+        the set anew (after a patch made a weight NaN); ``model``: the count's words for another
+        model than the transformer (" of the text encoder")."""
+        self.forget, self._where, self.model = forget, where, model
+        self.sources = {k: patches[k] for k in where}  # ComfyUI's own entries: what ``_blame`` reads
         self.by_layer = {}
-        for key in sorted(keys):
-            name = key[len(PREFIX):]
-            layer, matrix = w.layer_of(name)
-            entries = [(strength, _on_device(data, w.device), *rest) for strength, data, *rest in patches[key]]
-            held = _held_dtype(w, name, w.storage_dtype)
-            low_rank = LowRank.of(entries, held, w.storage_dtype, w.device)
+        for key in sorted(where):
+            layer, matrix, held = where[key]
+            entries = [(strength, _on_device(data, device), *rest) for strength, data, *rest in patches[key]]
+            low_rank = LowRank.of(entries, held, dtype, device)
             self.by_layer.setdefault(layer, []).append((matrix, key, entries, held, string_to_seed(key), low_rank))
         # the fused kernel's check (a compile) runs on a thread while the prompt's encode does
         for inter in {e[5].inter for entries in self.by_layer.values() for e in entries if e[5]}:
-            triton_lora.check_soon(w.device, inter, w.storage_dtype)
+            triton_lora.check_soon(device, inter, dtype)
         self.layers = set(self.by_layer)
-        self._unchecked = set(keys)   # keys whose first result has not been read back yet
+        self._unchecked = set(where)  # keys whose first result has not been read back yet
         self._checks = {}             # key -> (finite, changed): 0-d bools on the device
         self._fixed = (fixed_changed, fixed_unchanged)
         self._changed = 0
 
     def apply(self, i, views):
         for matrix, key, entries, held, seed, low_rank in self.by_layer[i]:
-            weight = getattr(views, matrix)
-            if low_rank is not None and low_rank.runs_on(weight):
-                if key in self._unchecked:  # into a copy first: the check compares it with the weight
-                    value = low_rank(weight, torch.empty_like(weight))
-                    self._checks[key] = _checks(value, value, weight)
-                    weight.copy_(value)
-                else:
-                    low_rank(weight, weight)
+            weight = views[matrix] if isinstance(views, dict) else getattr(views, matrix)
+            fused = low_rank is not None and low_rank.runs_on(weight)
+            if fused and key not in self._unchecked:
+                low_rank(weight, weight)  # in place: checked already, nothing to compare with
                 continue
-            out, value = _patched(entries, weight, key, held, seed)
+            if fused:  # into a copy: the check compares it with the weight (no rounding after: held == dtype)
+                out = value = low_rank(weight, torch.empty_like(weight))
+            else:
+                out, value = _patched(entries, weight, key, held, seed)
             if key in self._unchecked:
                 self._checks[key] = _checks(out, value, weight)
             weight.copy_(value)
@@ -210,16 +215,35 @@ class LayerPatches:
         for key, (finite, changed) in zip(checks, flags):
             self._unchecked.discard(key)
             if not finite:
-                self.w.patches_uuid = None  # the next prompt applies its patches anew (and restores the layers)
-                raise PatchError(_blame(self.sources[key], key[len(PREFIX):]))
+                self.forget()  # the next prompt applies its patches anew (and restores the layers)
+                raise PatchError(_blame(self.sources[key], key.removeprefix(PREFIX)))
             self._changed += changed
             if not changed:  # strength 0, or refused by ComfyUI: nothing to compute at the next upload
-                layer = self.w.layer_of(key[len(PREFIX):])[0]
+                layer = self._where[key][0]
                 self.by_layer[layer] = [e for e in self.by_layer[layer] if e[1] != key]
         self.layers = {i for i, entries in self.by_layer.items() if entries}
         if not self._unchecked:
             changed, unchanged = self._fixed
-            _say_count(self._changed + changed, len(self.sources) - self._changed + unchanged)
+            _say_count(self._changed + changed, len(self.sources) - self._changed + unchanged, self.model)
+
+
+def apply_to_stack(patcher, stack):
+    """Bring ``patcher``'s weight patches into a streamed stack (the text encoder's layers; each key
+    names a layer's weight: ``stack_takes``), once per patch set: applied on the device as each
+    layer arrives, as the transformer's are."""
+    patch_id = patcher.patches_uuid if patcher.patches else None
+    if patch_id == stack.patch_id:
+        return
+    dtype = stack.layout.dtype  # the layers' own: ComfyUI rounds a patched weight back to it
+    where = {k: (*stack.layer_of(k), dtype) for k in patcher.patches}
+    stack.set_patch(LayerPatches(patcher.patches, where, stack.device, dtype, lambda: stack.set_patch(None, None),
+                                 model=" of the text encoder") if where else None, patch_id)
+
+
+def stack_takes(patcher, stack) -> bool:
+    """Every weight patch of ``patcher`` names a weight of the stack's layers (a LoRA on the text
+    encoder's attention and MLP); patches elsewhere (its embeddings, its norms) are ComfyUI's to run."""
+    return all(stack.layer_of(k) is not None for k in patcher.patches)
 
 
 class LowRank:
@@ -235,7 +259,6 @@ class LowRank:
     def of(cls, entries, held, dtype, device):
         """The ``LowRank`` of ``entries`` (ModelPatcher's tuples, tensors on ``device``), or None
         where ComfyUI's code must compute them, or where no kernel can (not CUDA)."""
-        inter = mm.lora_compute_dtype(device)
         if torch.device(device).type != "cuda" or held != dtype or dtype not in triton_lora.DTYPES:
             return None
         terms = []
@@ -248,7 +271,7 @@ class LowRank:
             # ComfyUI's expression: a LoRA's alpha is a CPU tensor (or None), divided by the rank
             scale = strength * (alpha / down.shape[0] if alpha is not None else 1.0)
             terms.append((up, down, float(torch.as_tensor(scale).to(torch.float32))))
-        return cls(terms, inter)
+        return cls(terms, mm.lora_compute_dtype(device))
 
     def runs_on(self, weight) -> bool:
         return weight.is_contiguous() and triton_lora.runs_on(weight.device, self.inter, weight.dtype)

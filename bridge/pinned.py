@@ -66,7 +66,8 @@ def run_dtypes(entries) -> list:
     return [getattr(m, f"{name}_comfy_model_dtype", None) for m, _, name in entries]
 
 
-# the pack's patcher for another model, one per ComfyUI patcher, alive as long as that patcher is
+# ComfyUI's patcher -> the pack's patcher for its model (a CLIP and its clones with a LoRA share one),
+# alive as long as one of those patchers is (the pack's refers to the model, not to them)
 _pinned: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
@@ -77,13 +78,17 @@ def _loaded_by_comfy(p) -> bool:
         lm.model is p and p.loaded_size() > 0 for lm in mm.current_loaded_models)
 
 
-def pinned_patcher(p, root, make_part, what):
-    """The pack's ``PinnedPatcher`` for ComfyUI's patcher ``p``, or None where ComfyUI's own path
-    must run the model: weight patches or hooks on it (a LoRA), ComfyUI holding it on the GPU now
-    (the pack's device copies are then dropped: one copy on the GPU is enough), Dynamic VRAM
-    managing its weights, or a model ``make_part`` cannot serve (``UnsupportedStack``)."""
+def pinned_patcher(p, root, make_part, what, takes_patches=None):
+    """The pack's ``PinnedPatcher`` for ComfyUI's patcher ``p`` of the model ``root``, or None where
+    ComfyUI's own path must run the model: hooks on it, weight patches the part does not apply
+    itself (``takes_patches(p, part)``: the text encoder's stack applies a LoRA on its layers;
+    without it, any weight patch), ComfyUI holding it on the GPU now (the pack's device copies are
+    then dropped: one copy on the GPU is enough), Dynamic VRAM managing its weights, or a model
+    ``make_part`` cannot serve (``UnsupportedStack``)."""
     mine = _pinned.get(p)
-    if p.patches or getattr(p, "forced_hooks", None) is not None or _loaded_by_comfy(p):
+    if mine is None:  # a clone of a patcher the pack serves already (a LoRA on it)
+        mine = next((m for m in list(_pinned.values()) if m.model is root), None)
+    if (p.patches and takes_patches is None) or getattr(p, "forced_hooks", None) is not None or _loaded_by_comfy(p):
         if mine is not None:
             mine.part.unload()
         return None
@@ -100,9 +105,14 @@ def pinned_patcher(p, root, make_part, what):
         except UnsupportedStack as e:
             log.info("Z-Image: the %s runs through ComfyUI's loader: %s", what, e)
             return None
-        mine = _pinned[p] = PinnedPatcher(p, part)
+        mine = PinnedPatcher(p, part)
+    if p not in _pinned:
+        _pinned[p] = mine
         # ComfyUI's own patcher (or a clone of it) loading this model takes ours off the model
         # manager's list without unloading it: drop our copies then, one copy on the GPU is enough
         ref = weakref.ref(mine)
         p.add_callback(comfy.patcher_extension.CallbacksMP.ON_LOAD, lambda *_: ref() and ref().part.unload())
+    if p.patches and not takes_patches(p, mine.part):
+        mine.part.unload()
+        return None
     return mine

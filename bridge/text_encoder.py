@@ -14,6 +14,7 @@ from ..zimage_core.host_memory import BUDGET
 from ..zimage_core.ram import available_ram
 from ..zimage_core.stack_streaming import StreamedStack
 from ..zimage_core.transformer import check_kernels_soon
+from . import patches
 from .memory import on_an_emptied_gpu_after_oom
 from .pinned import pinned_patcher
 from .prompt import files_upstream
@@ -34,7 +35,7 @@ def _streamed_stack(clip, pool):
 def streamed_text_encoder(clip):
     """The CLIP with its text encoder streamed, or None where ComfyUI's own path must run it."""
     te = pinned_patcher(clip.patcher, clip.cond_stage_model, lambda pool: _streamed_stack(clip, pool),
-                         "text encoder")
+                        "text encoder", takes_patches=patches.stack_takes)
     if te is None:
         return None
     n = clip.clone()
@@ -75,8 +76,8 @@ def encode(clip, text):
     if streamed is None:
         out = clip.encode_from_tokens_scheduled(tokens)
     else:
-        out = on_an_emptied_gpu_after_oom(lambda: _encode_streamed(streamed, tokens), streamed.patcher.load_device,
-                                         "encoding the prompt")
+        out = on_an_emptied_gpu_after_oom(lambda: _encode_streamed(streamed, tokens, clip.patcher),
+                                         streamed.patcher.load_device, "encoding the prompt")
     _check_finite(out)
     _say_if_long(out)
     return out
@@ -108,9 +109,11 @@ def _check_finite(conditioning):
         f"{', or remove that LoRA' if lora else ''}.")
 
 
-def _encode_streamed(streamed, tokens):
+def _encode_streamed(streamed, tokens, patcher):
+    """``patcher``: ComfyUI's, whose weight patches (a LoRA) the layers get as they arrive."""
     start = time.perf_counter()
     part = streamed.patcher.part
+    patches.apply_to_stack(patcher, part)
     mm.load_models_gpu([streamed.patcher])  # room first, through the model manager
     with part.running():
         out = streamed.encode_from_tokens_scheduled(tokens)

@@ -1,14 +1,17 @@
 """One session of images that must be the same to the bit wherever it runs (issue: the same prompt
 and seed give the same image on every card, at every point of a session): four prompts, cfg 2 with
-a negative prompt through stock KSampler, a LoRA, batch 2, another size, and the first prompt
-again at the end. ``run_session`` posts them to one server and returns each image's pixel hash;
-the GPU test runs it on several simulated cards, the CPU test at several forced splits."""
+a negative prompt through stock KSampler, a LoRA, a LoRA on the text encoder, batch 2, another
+size, and the first prompt again at the end. ``run_session`` posts them to one server and returns
+each image's pixel hash; the GPU test runs it on several simulated cards, the CPU test at several
+forced splits."""
 import hashlib
 import io
+import os
 
+from comfy_server import TE
 from tools import random_weights
 
-from test_comfy_server import lora_workflow, node_of, pack_workflow
+from test_comfy_server import clip_lora_workflow, lora_workflow, node_of, pack_workflow, write_text_encoder_lora
 
 PROMPTS = ["A weathered lighthouse on a rocky headland at golden hour, waves breaking in white spray",
            "A red fox curled up asleep in fresh snow under a pine tree, soft morning light",
@@ -16,11 +19,20 @@ PROMPTS = ["A weathered lighthouse on a rocky headland at golden hour, waves bre
            "An astronaut tending a small greenhouse on the moon, earth rising behind the dome"]
 NEGATIVE = "blurry, low quality, watermark"
 LORA = "identity_lora.safetensors"
+TE_LORA = "identity_te_lora.safetensors"
 
 
 def write_lora(path, layers):
     """A rank-16 LoRA on every main layer's attention output, in ComfyUI's layout."""
     random_weights.write_lora(path, layers, matrices=("out",))
+
+
+def write_loras(base, layers):
+    """The session's LoRAs in ``base``'s models/loras: ``LORA`` (``write_lora``) and one on the
+    text encoder's first two layers (``TE_LORA``)."""
+    models = os.path.join(base, "models")
+    write_lora(os.path.join(models, "loras", LORA), layers)
+    write_text_encoder_lora(os.path.join(models, "loras", TE_LORA), os.path.join(models, "text_encoders", TE))
 
 
 def ksampler_workflow(prompt, width, height, steps, loader, prefix):
@@ -53,6 +65,8 @@ def session(size, wide, steps, loader, tag, prompts=4):
     p0, p1 = PROMPTS[0], PROMPTS[1]
     jobs = [("prompt 0", pack_workflow(p0, size, size, prefix=f"{tag}_p0", **kw)),
             ("LoRA", lora_workflow(LORA, 1.0, prompt=p0, width=size, height=size, prefix=f"{tag}_lora", **kw)),
+            ("text encoder LoRA", clip_lora_workflow(TE_LORA, prompt=p0, width=size, height=size,
+                                                     prefix=f"{tag}_te_lora", **kw)),
             (f"{wide[0]}x{wide[1]}", pack_workflow(p0, *wide, prefix=f"{tag}_wide", **kw)),
             ("prompt 1", pack_workflow(p1, size, size, prefix=f"{tag}_p1", **kw)),
             ("batch 2", pack_workflow(p1, size, size, prefix=f"{tag}_b2", batch_size=2, **kw)),

@@ -13,6 +13,7 @@ import comfy_process
 comfy_path, weights, out_path = sys.argv[1:4]
 comfy_process.start(comfy_path)
 import torch  # noqa: E402
+import comfy.lora  # noqa: E402
 import comfy.sd  # noqa: E402
 
 from zimage_pack.bridge import text_encoder as zc  # noqa: E402
@@ -56,13 +57,48 @@ for i, prompt in enumerate(prompts):
 del os.environ["ZIMAGE_PINNED_GIB"]
 ram.MEMINFO = real_meminfo
 res["pinned"] = zc.streamed_text_encoder(clip).patcher.pinned_memory_size()
-# a LoRA-style weight patch on the text encoder: ComfyUI's own path (not streamed), which applies it
-patched = clip.clone()
-key = next(k for k in patched.patcher.model.state_dict() if k.endswith("layers.0.mlp.down_proj.weight"))
-patched.add_patches({key: (torch.randn_like(patched.patcher.model.state_dict()[key]) * 0.01,)}, 1.0)
-res["streams_with_patches"] = zc.streamed_text_encoder(patched) is not None
-ours_patched = zc.encode(patched, prompts[0])[0][0]  # each encode of the 36 layers takes seconds on a CPU
-res["patch_changed"] = not torch.equal(ours_patched, first[0][0])
+
+
+def conditioning(c):
+    return c[0][0]
+
+
+def lora(clip, suffixes, rank=4, seed=0):
+    """A LoRA file's tensors (ComfyUI's key names for this text encoder) on the weights ending in
+    ``suffixes``."""
+    g = torch.Generator().manual_seed(seed)
+    sd = clip.cond_stage_model.state_dict()
+    names = {v: k for k, v in comfy.lora.model_lora_keys_clip(clip.cond_stage_model, {}).items()}
+    out = {}
+    for key in (k for k in sd if k.endswith(suffixes)):
+        rows, cols = sd[key].shape
+        out[f"{names[key]}.lora_up.weight"] = torch.randn(rows, rank, generator=g).to(torch.bfloat16) * 0.05
+        out[f"{names[key]}.lora_down.weight"] = torch.randn(rank, cols, generator=g).to(torch.bfloat16) * 0.05
+        out[f"{names[key]}.alpha"] = torch.tensor(rank / 2)
+    return out
+
+
+# a LoRA on the text encoder's layers through ComfyUI's LoRA loader (two, stacked, at 0.8 and 0.5):
+# the streamed layers get it as they arrive, with ComfyUI's arithmetic; its own encode of the same
+# CLIP to the bit
+_, patched = comfy.sd.load_lora_for_models(None, clip, lora(clip, ("layers.0.mlp.down_proj.weight",
+                                                                   "layers.1.self_attn.q_proj.weight")), 0, 0.8)
+_, patched = comfy.sd.load_lora_for_models(None, patched, lora(clip, ("layers.1.self_attn.q_proj.weight",), seed=1),
+                                           0, 0.5)
+tokens = clip.tokenize(prompts[0])
+res["streams_with_lora"] = zc.streamed_text_encoder(patched) is not None
+ours_patched = conditioning(zc.encode(patched, prompts[0]))  # each encode of the 36 layers takes seconds on a CPU
+res["lora_changed"] = not torch.equal(ours_patched, conditioning(first))
+res["lora_equal"] = torch.equal(ours_patched, conditioning(patched.encode_from_tokens_scheduled(tokens)))
+# the CLIP without it again: the layers' own values
+res["unpatched_equal"] = torch.equal(conditioning(zc.encode(clip, prompts[0])), conditioning(first))
+# a patch outside the layers (the token embeddings; the final norm is not used: Z-Image takes the
+# hidden states before it): ComfyUI's own path, which applies it
+outside = clip.clone()
+key = next(k for k in outside.patcher.model.state_dict() if k.endswith("embed_tokens.weight"))
+outside.add_patches({key: (torch.full_like(outside.patcher.model.state_dict()[key], 0.01),)}, 1.0)
+res["streams_outside_patch"] = zc.streamed_text_encoder(outside) is not None
+res["outside_changed"] = not torch.equal(conditioning(zc.encode(outside, prompts[0])), conditioning(first))
 res["log"] = [m for m in messages if "Z-Image" in m]
 res["after_encode_on_device"] = sorted({str(p.device) for p in clip.cond_stage_model.parameters()})
 with open(out_path, "w") as f:

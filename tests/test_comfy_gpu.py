@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from comfy_env import COMFYUI_PATH, comfyui_version, needs_comfyui, run_check
-from comfy_identity import LORA, differences, run_session, session, table, write_lora
+from comfy_identity import differences, run_session, session, table, write_loras
 from comfy_server import ROOT, TE_LAYERS_FULL, make_base_dir, server_flags, start_server, stop_server
 from test_comfy_server import image_stats, node_of, official_template, pack_workflow
 
@@ -48,7 +48,7 @@ def full_size_base_dir(tmp_path_factory):
     """The whole random model: 30 main layers (12 GB) and the 36-layer text encoder."""
     base = make_base_dir(str(tmp_path_factory.mktemp("comfy_gpu_full")), te_layers=TE_LAYERS_FULL,
                          full_transformer=True)
-    write_lora(os.path.join(base, "models", "loras", LORA), layers=30)
+    write_loras(base, layers=30)
     return base
 
 

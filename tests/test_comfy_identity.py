@@ -1,11 +1,10 @@
 """The same prompt and seed give the same image at every split of the transformer and at every
 point of a session, through the session's real ComfyUI server on the CPU: one session of images
 (comfy_identity.py, two prompts: the CPU's text encode takes seconds) with every layer resident,
-two and none (the loader's max_resident_layers), compared to the bit. The GPU counterpart runs it on simulated cards (test_comfy_gpu.py)."""
-import os
-
+two and none (the loader's max_resident_layers), compared to the bit. The GPU counterpart runs it
+on simulated cards (test_comfy_gpu.py)."""
 from comfy_env import comfyui_version, needs_comfyui
-from comfy_identity import LORA, differences, run_session, session, table, write_lora
+from comfy_identity import differences, run_session, session, table, write_loras
 
 pytestmark = needs_comfyui
 
@@ -14,7 +13,7 @@ SPLITS = {"all resident": {}, "2 resident": {"vram": "max_resident_layers", "res
 
 
 def test_the_same_images_at_every_split(comfy_server, comfy_base_dir):
-    write_lora(os.path.join(comfy_base_dir, "models", "loras", LORA), layers=1)
+    write_loras(comfy_base_dir, layers=1)
     by_split = {name: run_session(comfy_server, session(128, (192, 128), 2, loader, f"split{i}", prompts=2))
                 for i, (name, loader) in enumerate(SPLITS.items())}
     print(f"\nComfyUI {comfyui_version()} on the CPU, pixel hashes by split:\n{table(by_split)}")

@@ -324,6 +324,61 @@ def test_stock_nodes_workflow(comfy_server, object_info, pack_run):
     assert diff <= PARITY_MAX_DIFF
 
 
+def write_text_encoder_lora(path, te_file, rank=4):
+    """A LoRA for the text encoder alone (ComfyUI's generic ``text_encoders.`` keys) on its first two
+    layers' attention and MLP, as a trainer of Qwen3-4B LoRAs writes them."""
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(5)
+    out = {}
+    with safe_open(te_file, "pt") as f:
+        for key in f.keys():
+            if key.startswith(("model.layers.0.", "model.layers.1.")) and key.endswith(("q_proj.weight", "down_proj.weight")):
+                rows, cols = f.get_slice(key).get_shape()
+                name = f"text_encoders.qwen3_4b.transformer.{key[:-len('.weight')]}"
+                out[f"{name}.lora_up.weight"] = (torch.randn(rows, rank, generator=g) * 0.05).to(torch.bfloat16)
+                out[f"{name}.lora_down.weight"] = (torch.randn(rank, cols, generator=g) * 0.05).to(torch.bfloat16)
+                out[f"{name}.alpha"] = torch.tensor(float(rank))
+    assert len(out) == 12, sorted(out)
+    save_file(out, path)
+
+
+def clip_lora_workflow(lora, encode="ZImageTextEncode", strength_clip=0.8, prompt=PROMPT, **kw):
+    """The pack's workflow with a stock LoraLoader on its loader's MODEL and the CLIP, the prompt
+    encoded by ``encode`` (the pack's node, or ComfyUI's CLIPTextEncode) from the LoRA'd CLIP."""
+    wf = pack_workflow(prompt=prompt, **kw)
+    loader, enc = node_of(wf, "ZImageModelLoader"), node_of(wf, "ZImageTextEncode")
+    wf["100"] = {"class_type": "LoraLoader", "inputs": {
+        "model": [loader, 0], "clip": wf[enc]["inputs"]["clip"], "lora_name": lora,
+        "strength_model": 1.0, "strength_clip": strength_clip}}
+    wf[node_of(wf, "ZImageSampler")]["inputs"]["model"] = ["100", 0]
+    wf[enc] = {"class_type": encode, "inputs": {"clip": ["100", 1], "text": prompt}}
+    return wf
+
+
+def test_a_lora_on_the_text_encoder(comfy_server, comfy_base_dir, pack_run):
+    """Stock LoraLoader on the pack's loader and the CLIP: the pack's encode streams the text
+    encoder's layers with the LoRA applied as they arrive, and gives ComfyUI's own encode of the
+    LoRA'd CLIP (CLIPTextEncode) to the pixel; the LoRA changes the image."""
+    import numpy as np
+
+    models = os.path.join(comfy_base_dir, "models")
+    write_text_encoder_lora(os.path.join(models, "loras", "te_lora.safetensors"),
+                            os.path.join(models, "text_encoders", TE))
+    images = {}
+    for encode in ("ZImageTextEncode", "CLIPTextEncode"):
+        wf = clip_lora_workflow("te_lora.safetensors", encode, prefix=f"te_lora_{encode}")
+        images[encode], _ = image_stats(comfy_server.image(comfy_server.run(wf), node_of(wf, "SaveImage")))
+    plain, _ = image_stats(pack_run[1])
+    log = comfy_server.log_text()
+    assert "Z-Image: 4 weights of the text encoder patched" in log, comfy_server.log_tail()
+    assert "changes none of this model's weights" in log  # the LoRA has no keys for the transformer
+    assert int(np.abs(images["ZImageTextEncode"] - images["CLIPTextEncode"]).max()) == 0
+    assert np.abs(images["ZImageTextEncode"] - plain).mean() > 0.5, "the text encoder's LoRA changed nothing"
+
+
 def test_run_script(comfy_server, tmp_path, pack_run):
     out = tmp_path / "images"
     r = subprocess.run([sys.executable, os.path.join(WORKFLOWS, "api", "run.py"), "--server", comfy_server.url,

@@ -112,6 +112,48 @@ def test_a_stack_the_gpu_has_room_for_stays_there_between_runs():
     stack.release()
 
 
+class AddToWeight:
+    """A weight patch for ``LayerStreamer.set_patch``: ``delta`` added to one matrix of some layers
+    (the bridge's ``LayerPatches`` computes ComfyUI's arithmetic the same way, into ``views``)."""
+
+    def __init__(self, layers, name, delta):
+        self.layers, self.name, self.delta, self.verified = set(layers), name, delta, 0
+
+    def apply(self, i, views):
+        views[self.name].add_(self.delta)
+
+    def verify(self):
+        self.verified += 1
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("resident", [0, 5])
+def test_a_weight_patch_reaches_every_streamed_layer_and_goes_again(device, resident):
+    """A patch (a LoRA on a text encoder) is applied to each layer where it runs, through the slots
+    or once in a resident buffer, checked at the end of each run; the model's own tensors are never
+    written; without it the layers give their own values again."""
+    enc, ids, whole = encoder_and_output(device, seed=3)
+    own = values(enc)
+    patched = copy.deepcopy(enc).to(device)
+    for i in (1, 3):
+        patched.layers[i].mlp[0].weight.data.add_(0.25)
+    want = patched(ids)
+    stack = StreamedStack(enc, device, HostPool(), slots=2, max_resident=resident)
+    assert stack.layer_of("layers.3.mlp.0.weight") == (3, "mlp.0.weight")
+    assert stack.layer_of("norm.weight") is None and stack.layer_of("embed.weight") is None
+    patch = AddToWeight((1, 3), "mlp.0.weight", 0.25)
+    stack.set_patch(patch, "set-a")
+    for _ in range(2):  # streamed: applied at every upload; resident: once, and kept
+        with stack.running():
+            assert torch.equal(enc(ids), want)
+    assert patch.verified == 2 and stack.patch_id == "set-a"
+    assert same_values(enc, own)
+    stack.set_patch(None, None)
+    with stack.running():
+        assert torch.equal(enc(ids), whole)
+    stack.release()
+
+
 def test_interrupted_forward_restores_the_model_and_the_next_run_is_right():
     torch.manual_seed(1)
     enc = Encoder().requires_grad_(False)

@@ -89,6 +89,10 @@ class StreamedStack:
         self.outside = DeviceCopies(module_tensors(root, skip=inside | {id(m) for m in self.tables}),
                                     self.device, pool)
         self.max_resident = max_resident
+        # a key of the root's state dict -> (layer, name in the layout), for weight patches
+        prefix = next(name for name, m in root.named_modules() if m is self.layers)
+        self._keys = {f"{prefix}.{i}.{k}": (i, k) for i in range(len(self.layers)) for k in self.layout.shapes}
+        self.patch_id = None          # which weight patches the layers get (``set_patch``)
         self._running = None          # the layers' own parameters, while running
         self._next = 0                # the layer the ring has ready next
 
@@ -107,6 +111,16 @@ class StreamedStack:
         self.outside.load()
         if not (self.streamer.slots or self.streamer.resident):
             self.streamer.configure(self._resident_layers(), self.n_slots)
+
+    def layer_of(self, key):
+        """(layer, name) of a key of the root's state dict that names a streamed weight, else None."""
+        return self._keys.get(key)
+
+    def set_patch(self, patch, patch_id):
+        """Weight patches on the layers (``LayerStreamer.set_patch``; keys by ``layer_of``), or None;
+        ``patch_id`` names the set."""
+        self.streamer.set_patch(patch)
+        self.patch_id = patch_id
 
     def _resident_layers(self) -> int:
         free = device_free_bytes(self.device) if self.device.type == "cuda" else 0
@@ -141,6 +155,8 @@ class StreamedStack:
                 hooks.append(table.register_forward_hook(self._rows_to_device))
             with self.outside.running():
                 yield
+            if self.streamer.patch is not None:
+                self.streamer.patch.verify()  # the patched weights' checks, read once (may raise)
         except BaseException:
             self._next = 0  # stopped mid-forward: the next one starts from the first layer
             self.streamer.drop_queued()
