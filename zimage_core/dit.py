@@ -23,6 +23,7 @@ from torch import nn
 
 from . import attention_input, elementwise
 from .config import ZImageConfig
+from .devices import to_device
 
 
 class Chunks(NamedTuple):
@@ -268,8 +269,12 @@ class ZImageDiT(nn.Module):
         follows = bool(self.runner.n_streamed) and another_forward_follows(transformer_options)
 
         def stage(blocks, first, freqs, adaln):
+            near = {}  # freqs and adaln on each device that runs these blocks (``LayerChain``), crossed once
+
             def run(i, y, big):
-                y = blocks[i - first](y, freqs, adaln, big, chunks)
+                if y.device not in near:
+                    near[y.device] = [None if t is None else to_device(t, y.device) for t in (freqs, adaln)]
+                y = blocks[i - first](y, *near[y.device], big, chunks)
                 tick()
                 return y
             return run
@@ -279,12 +284,12 @@ class ZImageDiT(nn.Module):
                                      next_forward=follows)
         img = self.runner.run_layers(img, stage(self.noise_refiner, r, img_freqs, t), range(r, 2 * r),
                                      next_forward=follows)
-        xs = torch.cat((cap, img), dim=1)
+        xs = torch.cat((to_device(cap, img.device), img), dim=1)  # a chain may cut between the refiners
         freqs = torch.cat((cap_freqs, img_freqs), dim=1)
         xs = self.runner.run_layers(xs, stage(self.layers, 2 * r, freqs, t), range(2 * r, cfg.n_blocks),
                                     next_forward=follows)
 
-        out = self.final_layer(xs, t)[:, n_cap:n_cap + n_img]
+        out = self.final_layer(to_device(xs, dev), t)[:, n_cap:n_cap + n_img]
         out = out.view(bs, ht, wt, p, p, -1).permute(0, 5, 1, 3, 2, 4).flatten(4, 5).flatten(2, 3)
         return -out[:, :, :h, :w]
 

@@ -75,7 +75,7 @@ def _pinned_count(streamed: int, host_room: int | None, layer_bytes: int) -> int
     return streamed if host_room is None else min(streamed, max(0, host_room) // layer_bytes)
 
 
-def _within(p: Plan, limits: Limits) -> Plan:
+def within(p: Plan, limits: Limits) -> Plan:
     """``p`` with the resident layers ``limits`` set or cap (the rest stream through at least two
     slots, pinned as far as the host room allows)."""
     resident = limits.resident
@@ -122,7 +122,7 @@ def plan_host(cfg: ZImageConfig, free_bytes: int, width: int, height: int, batch
              largest_fitting=None if fits else _largest_fitting(width, height, batch,
                                                                 lambda w, h: need(w, h) <= free_bytes),
              text_tokens=text_tokens, **_host_sets(n, n if fits else 0, 0 if fits else n, 0 if fits else n))
-    return _within(p, limits)
+    return within(p, limits)
 
 
 def room_for_another(resident: int, slots: int, blocks: int = 0) -> tuple | None:
@@ -183,28 +183,31 @@ def plan(cfg: ZImageConfig, free_bytes: int, width: int, height: int, batch: int
     args = (cfg, free_bytes - limits.leave_free, width, height, batch, storage, dtype, compute_copy_ratio,
             limits.host_room, file_copy, text_tokens, upload_s)
     if stored is not None:
-        return _within(_plan(*args, stored=stored, decode=decode)[0], limits)
-    return _within(_with_compression(args, compress, decode, storage), limits)
+        return within(split_for(*args, stored=stored, decode=decode)[0], limits)
+    return within(_with_compression(args, compress, decode, storage), limits)
 
 
 def _with_compression(args, compress, decode, storage) -> Plan:
-    """``_plan`` plain or compressed, as ``compress`` asks (``plan``)."""
+    """``split_for`` plain or compressed, as ``compress`` asks (``plan``)."""
     if compress == "off" or storage != torch.bfloat16:
-        return _plan(*args)[0]
-    packed, packed_step = _plan(*args, compress=True, decode=decode)
+        return split_for(*args)[0]
+    packed, packed_step = split_for(*args, compress=True, decode=decode)
     if compress == "on" and packed.fits:
         return packed
-    plain, plain_step = _plan(*args)
+    plain, plain_step = split_for(*args)
     # "on" where the decode's two buffers do not fit beside the rest, or nothing measured to choose by
     if compress == "on" or packed_step is None or plain_step is None:
         return plain
     return packed if packed.fits and packed_step < 0.98 * plain_step else plain
 
 
-def _plan(cfg, free_bytes, width, height, batch, storage, dtype, compute_copy_ratio, host_room, file_copy,
-          text_tokens, upload_s, compress=False, decode=0.0, stored=None) -> tuple:
+def split_for(cfg, free_bytes, width, height, batch, storage, dtype, compute_copy_ratio, host_room, file_copy,
+          text_tokens, upload_s, compress=False, decode=0.0, stored=None, blocks: range | None = None,
+          idle: float = 0.0) -> tuple:
     """(``plan``'s split with or without compressed masters, its simulated step in plain uploads
-    of a layer, or None where the compute/copy ratio is not known)."""
+    of a layer, or None where the compute/copy ratio is not known). ``blocks``: plan only these
+    blocks (one device's range of a ``placement``; the plan counts them from 0), whose copy engine
+    also has ``idle`` (in plain uploads of a layer) in each step while the other devices compute."""
     packed = PackLayout(cfg, storage)
     layer = packed.nbytes
     master = compression.bound(packed.numel) if compress else (stored or layer)  # host bytes, before an encode
@@ -217,10 +220,12 @@ def _plan(cfg, free_bytes, width, height, batch, storage, dtype, compute_copy_ra
     fixed = cfg.fixed_params() * dtype.itemsize
     act = activation_bytes(cfg, width, height, batch, text_tokens, dtype=dtype, storage=storage)
     room = free_bytes - fixed - act - device_margin(act, batch) - codec
-    n = cfg.n_blocks
+    blocks = range(cfg.n_blocks) if blocks is None else blocks
+    n = len(blocks)
     if compute_copy_ratio is not None:
-        costs = [c * compute_copy_ratio for c in block_costs(cfg, width, height, batch, text_tokens)]
-        before = 0.25 * compute_copy_ratio  # embedders, final layer and sampler, in layers' worth
+        costs = [c * compute_copy_ratio for c in block_costs(cfg, width, height, batch, text_tokens)][
+            blocks.start:blocks.stop]
+        before = 0.25 * compute_copy_ratio + idle  # embedders, final layer and sampler, in layers' worth
     if room >= n * layer:
         r, k = n, 0
     else:

@@ -121,3 +121,23 @@ def step_with_pinned(n_layers, resident, slots, costs, fixed, pinned, file_copy,
         decodes.append(decode if host < pinned else file_decode)
         host += 1
     return simulate_step(n_layers, resident, slots, costs, copies, fixed, decode=decodes)
+
+
+def chain_step(steps_of: list, fixed: float = 0.0, handoff: float = 0.0) -> float:
+    """The step of consecutive ranges of layers, each run by a device of its own with its own copy
+    engine and slots (``placement``): the ranges compute one after the other, the activations
+    crossing ``handoff`` at each change of device (and back to the first for the final layer),
+    while every device's copy engine works through the step. ``steps_of[d](idle)`` is range d's
+    simulated step (``step_with_pinned``) when its copy engine has ``idle`` in each step besides
+    its own layers' time: the step's ``fixed`` part, the handoffs and the other ranges. Each
+    range's time depends on the others' through that idle time: found by iterating to the fixed
+    point, halfway each round (the plain iteration swings between too little idle and too much)."""
+    crossings = handoff * len(steps_of) if len(steps_of) > 1 else 0.0
+    own = [step(fixed) - fixed for step in steps_of]  # each range with only the fixed part to hide behind
+    for _ in range(32):
+        total = fixed + crossings + sum(own)
+        new = [step(total - t) - (total - t) for step, t in zip(steps_of, own)]
+        if max(abs(a - b) for a, b in zip(own, new)) < 1e-6:
+            break
+        own = [(a + b) / 2 for a, b in zip(own, new)]
+    return fixed + crossings + sum(own)
