@@ -35,3 +35,24 @@ def inputs(cfg, width=64, height=48, cap=7, batch=1, seed=0):
     ctx = torch.randn(batch, cap, cfg.cap_feat_dim, generator=g)
     t = torch.full((batch,), 0.7)
     return x, t, ctx
+
+
+def chain_of(m, cuts, splits, devices):
+    """The layers of transformer ``m`` as a ``LayerChain`` cut at ``cuts``: each range streamed on
+    its device of ``devices`` with its (resident, slots) of ``splits``, from ``m``'s file."""
+    from zimage_core.host_memory import HostPool
+    from zimage_core.layer_chain import LayerChain
+    from zimage_core.layout import PackLayout, StreamConfig
+    from zimage_core.streamer import LayerStreamer
+    from zimage_core.transformer import layer_pieces
+
+    cfg = m.cfg
+    ranges = [range(a, b) for a, b in zip([0, *cuts], [*cuts, cfg.n_blocks])]
+    names = cfg.block_names()
+    streamers = []
+    for blocks, (r, k), device in zip(ranges, splits, devices):
+        s = LayerStreamer(StreamConfig(PackLayout(cfg, m.storage_dtype), device),
+                          [layer_pieces(m.ckpt, f"{names[i]}.") for i in blocks], HostPool("transformer"))
+        s.configure(r, k)
+        streamers.append(s)
+    return LayerChain(streamers, ranges)

@@ -2,9 +2,11 @@
 import pytest
 import torch
 
-from conftest import TINY, inputs
+from conftest import TINY, chain_of, inputs
 from zimage_core import attention_input, elementwise, host_memory
 from tools.schedule import euler_sample
+from zimage_core.device_copies import DeviceCopies, module_tensors
+from zimage_core.host_memory import HostPool
 from zimage_core.settings import Settings
 from zimage_core.transformer import ZImageTransformer
 
@@ -71,6 +73,37 @@ def test_device_timing_leaves_out_a_busy_interpreter():
         stop.set()
         t.join()
     assert busy < 1.5 * quiet, (busy, quiet)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_a_chain_over_two_cards_gives_the_one_card_output(tiny_file):
+    """Each card streams its own range of layers over its own link, the second card's norms and
+    adaLN on it, the hidden states crossing where its range begins: one card's output, bit for
+    bit, with the cut inside the refiners, after them and inside the main layers."""
+    m = ZImageTransformer.load(tiny_file, device="cuda:0", dtype="bf16")
+    x, _, ctx = inputs(TINY, width=128, height=96)
+    m.prepare(128, 96, resident_layers=TINY.n_blocks)
+    ref = euler_sample(m, x.cuda(0), ctx.cuda(0), steps=3)
+    blocks = [*m.model.context_refiner, *m.model.noise_refiner, *m.model.layers]
+    own = m.model.runner
+    try:
+        for cut, splits in ((1, [(0, 1), (2, 2)]), (2, [(1, 1), (0, 2)]), (4, [(2, 2), (1, 0)])):
+            m.offload()
+            m.to_device()  # every small tensor on the first card, then the second range's on the second
+            pool = HostPool("transformer")
+            second = DeviceCopies(module_tensors(torch.nn.ModuleList(blocks[cut:])), "cuda:1", pool)
+            second.place()
+            chain = chain_of(m, [cut], splits, ["cuda:0", "cuda:1"])
+            m.model.runner = chain
+            try:
+                assert torch.equal(euler_sample(m, x.cuda(0), ctx.cuda(0), steps=3), ref), cut
+            finally:
+                chain.release()
+                second.release()
+                pool.release_all()
+    finally:
+        m.model.runner = own
+        m.release()
 
 
 def test_planned_split_uses_free_memory(tiny_file):

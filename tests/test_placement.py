@@ -4,17 +4,13 @@ streamer at every cut and split, through an interrupt."""
 import pytest
 import torch
 
-from conftest import TINY, inputs
+from conftest import TINY, chain_of, inputs
 from zimage_core.config import FULL
-from zimage_core.host_memory import HostPool
-from zimage_core.layer_chain import LayerChain
-from zimage_core.layout import PackLayout, StreamConfig
 from zimage_core.placement import place
 from zimage_core.planner import plan
 from zimage_core.plans import Limits
 from zimage_core.simulation import chain_step, step_with_pinned
-from zimage_core.streamer import LayerStreamer
-from zimage_core.transformer import ZImageTransformer, layer_pieces
+from zimage_core.transformer import ZImageTransformer
 
 GiB = 1 << 30
 TWO = ["cuda:0", "cuda:1"]
@@ -110,19 +106,6 @@ def one_card(tiny_file):
     m.release()
 
 
-def _chain(m, cuts, splits):
-    """``m``'s layers as a chain cut at ``cuts``, each range with its (resident, slots)."""
-    ranges = [range(a, b) for a, b in zip([0, *cuts], [*cuts, TINY.n_blocks])]
-    names = TINY.block_names()
-    streamers = []
-    for blocks, (r, k) in zip(ranges, splits):
-        s = LayerStreamer(StreamConfig(PackLayout(TINY, m.storage_dtype), "cpu"),
-                          [layer_pieces(m.ckpt, f"{names[i]}.") for i in blocks], HostPool("transformer"))
-        s.configure(r, k)
-        streamers.append(s)
-    return LayerChain(streamers, ranges)
-
-
 @pytest.mark.parametrize("cuts,splits", [([1], [(0, 1), (3, 2)]), ([2], [(1, 1), (0, 2)]),
                                           ([3], [(3, 0), (1, 2)]), ([1, 4], [(0, 1), (1, 2), (2, 0)])])
 def test_a_chain_of_streamers_gives_the_one_card_output_bit_for_bit(one_card, cuts, splits):
@@ -133,7 +116,7 @@ def test_a_chain_of_streamers_gives_the_one_card_output_bit_for_bit(one_card, cu
     m.prepare(64, 48, 1, resident_layers=TINY.n_blocks)
     ref = m(x, t, ctx)
     own = m.model.runner
-    chain = _chain(m, cuts, splits)
+    chain = chain_of(m, cuts, splits, ["cpu"] * (len(cuts) + 1))
     try:
         m.model.runner = chain
         for _ in range(2):  # a second forward runs from the uploads the first queued ahead
