@@ -520,3 +520,36 @@ def test_a_patch_set_on_the_streamer_reaches_every_split_and_leaves_the_masters_
     finally:
         m.release()
         ref_model.release()
+
+
+def test_a_model_lets_go_of_its_memory_while_another_runs_and_comes_back_the_same(tiny_file):
+    """Switching checkpoints: when a second transformer plans, the first gives back its masters, its
+    fixed part's and its staging (the RAM holds one model's); run again, it reads its layers from
+    the file and gives the same bits, a patch of its fixed part included. A model whose streamed
+    layers were written by hand keeps them."""
+    x, t, ctx = inputs(TINY)
+    before = host_memory.live_bytes()
+    a = ZImageTransformer.load(tiny_file, device="cpu", dtype="fp32")
+    b = ZImageTransformer.load(tiny_file, device="cpu", dtype="fp32")
+    try:
+        key = "final_layer.linear.bias"
+        a.weights.set(key, a.weights.base(key) + 0.5)
+        a.prepare(64, 48, resident_layers=1)
+        ref = a(x, t, ctx)
+        assert a.streamer.masters.master_layers == TINY.n_blocks - 1 and a.pinned_bytes > 0
+        held = host_memory.live_bytes()
+        b.prepare(64, 48, resident_layers=1)
+        assert a.pinned_bytes == 0 and a.streamer.masters.master_layers == 0 and a.device_bytes() == 0
+        assert host_memory.live_bytes() < held
+        other = b(x, t, ctx)
+        assert not torch.equal(other, ref)  # b has no patch
+        assert torch.equal(a(x, t, ctx), ref) and b.pinned_bytes == 0  # a planned again: b let go
+        key = "layers.0.attention.out.weight"
+        b.weights.set(key, b.weights.base(key))
+        b.prepare(64, 48, resident_layers=1)
+        a.prepare(64, 48, resident_layers=1)
+        assert b.pinned_bytes > 0 and b.streamer.masters.host[b.weights.layer_of(key)[0]] is not None
+    finally:
+        a.release()
+        b.release()
+    assert host_memory.live_bytes() == before

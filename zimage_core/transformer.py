@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+import weakref
 
 import torch
 
@@ -64,6 +65,10 @@ def check_kernels_soon(device, total_bytes: int, compress: bool = True, quant_ty
     if compress and total_bytes > device_free_bytes(device):
         compression.decodes_on.soon(device)
     triton_dequant.check_soon(device, quant_types, dtype)
+
+
+# every transformer loaded in this process: one at a time holds host memory (``let_go_of_host``)
+_LOADED: "weakref.WeakSet[ZImageTransformer]" = weakref.WeakSet()
 
 
 class ZImageTransformer(torch.nn.Module):
@@ -132,6 +137,7 @@ class ZImageTransformer(torch.nn.Module):
             check_kernels_soon(dev, t.total_bytes, config.can_compress, quant_types, compute)
             if home == dev:
                 t.to_device()
+            _LOADED.add(t)
             return t
         except torch.OutOfMemoryError:
             if pool is not None:
@@ -207,7 +213,11 @@ class ZImageTransformer(torch.nn.Module):
     def prepare(self, width, height, batch=1, resident_layers=None, free_bytes=None,
                 text_tokens=plans.TEXT_TOKENS) -> plans.Plan:
         """Set the split for an image of this size and a prompt of up to ``text_tokens`` tokens:
-        planned, or forced to ``resident_layers``."""
+        planned, or forced to ``resident_layers``. Another transformer of this process lets go of
+        its memory first (``let_go_of_host``)."""
+        for other in list(_LOADED):
+            if other is not self:
+                other.let_go_of_host()
         free = self.free_bytes() if free_bytes is None else free_bytes
         # on a card the current split fills, resident layers make way for the device's measurement
         p = self.planner.plan(width, height, batch, free, text_tokens, resident_layers, self._evict_one)
@@ -278,6 +288,24 @@ class ZImageTransformer(torch.nn.Module):
         if freed and self.streamer.n_resident + len(self.streamer.slots):
             self.status.announce(self.plan)
         return freed
+
+    def let_go_of_host(self):
+        """Give back the device memory and every host buffer (the streamed layers' masters, the
+        fixed part's, the staging ring) while another transformer runs: a switch between two
+        checkpoints would otherwise keep the first one's pinned masters beside the second's, where
+        the RAM holds one model's (16-32 GB machines). Nothing is lost: the next forward plans
+        again, reads the layers from the file and pins them anew; the fixed part keeps its patched
+        values, and the streamed layers' patches are made again by the next load (the bridge's). A
+        model whose layers ``weights.set`` wrote keeps them: their values are in its masters only."""
+        if not self.pinned_bytes or self.weights.set_layers:
+            return
+        log.info("Z-Image: %s lets go of its memory while another Z-Image model runs", self.ckpt.path)
+        self.offload()
+        self.fixed.release()
+        self.streamer.masters.release()
+        # a patch set's tensors held on the device go too: the next load applies the set anew
+        self.weights.patch_layers(None)
+        self.weights.patches_uuid = None
 
     def release(self):
         """Give back the device memory and every pinned host buffer."""

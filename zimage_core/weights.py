@@ -30,6 +30,7 @@ class Weights:
         self._fixed_checked = False                   # the fixed part's values were checked where they run
         self.patches_uuid = None                      # id of the weight-patch set (LoRA) now in the weights
         self.patched_keys: set = set()                # canonical keys that set changed in the fixed part
+        self.set_layers: set = set()                  # streamed layers ``set`` wrote: their masters hold the values
 
     def layer_of(self, key):
         """(streamed block index, matrix name) for a big matrix's canonical key, else None."""
@@ -78,6 +79,7 @@ class Weights:
         s.synchronize()
         s.drop_queued()  # a slot may hold the old weights, uploaded ahead
         s.masters.ensure_plain(owner)
+        self.set_layers.add(owner)
         self.checks.recheck(owner)
         s.layout.region(s.masters.host[owner], name).copy_(value)
         if owner in s.resident:
