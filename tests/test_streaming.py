@@ -525,8 +525,9 @@ def test_a_patch_set_on_the_streamer_reaches_every_split_and_leaves_the_masters_
 def test_a_model_lets_go_of_its_memory_while_another_runs_and_comes_back_the_same(tiny_file):
     """Switching checkpoints: when a second transformer plans, the first gives back its masters, its
     fixed part's and its staging (the RAM holds one model's); run again, it reads its layers from
-    the file and gives the same bits, a patch of its fixed part included. A model whose streamed
-    layers were written by hand keeps them."""
+    the file and gives the same bits, a patch of its fixed part included. A model without masters
+    (every layer resident) keeps what it has, and one whose streamed layers were written by hand
+    keeps them."""
     x, t, ctx = inputs(TINY)
     before = host_memory.live_bytes()
     a = ZImageTransformer.load(tiny_file, device="cpu", dtype="fp32")
@@ -543,7 +544,11 @@ def test_a_model_lets_go_of_its_memory_while_another_runs_and_comes_back_the_sam
         assert host_memory.live_bytes() < held
         other = b(x, t, ctx)
         assert not torch.equal(other, ref)  # b has no patch
-        assert torch.equal(a(x, t, ctx), ref) and b.pinned_bytes == 0  # a planned again: b let go
+        # a planned again, on the CPU with every layer resident (no masters), and b let go
+        assert torch.equal(a(x, t, ctx), ref) and b.pinned_bytes == 0
+        held = a.pinned_bytes
+        b.prepare(64, 48, resident_layers=1)
+        assert a.pinned_bytes == held and a.streamer.n_resident == TINY.n_blocks  # a keeps what it has
         key = "layers.0.attention.out.weight"
         b.weights.set(key, b.weights.base(key))
         b.prepare(64, 48, resident_layers=1)

@@ -295,9 +295,11 @@ class ZImageTransformer(torch.nn.Module):
         checkpoints would otherwise keep the first one's pinned masters beside the second's, where
         the RAM holds one model's (16-32 GB machines). Nothing is lost: the next forward plans
         again, reads the layers from the file and pins them anew; the fixed part keeps its patched
-        values, and the streamed layers' patches are made again by the next load (the bridge's). A
-        model whose layers ``weights.set`` wrote keeps them: their values are in its masters only."""
-        if not self.pinned_bytes or self.weights.set_layers:
+        values, and the streamed layers' patches are made again by the next load (the bridge's).
+        A model without masters (its layers all on the device, or read from the file) keeps what it
+        has: little RAM, and ComfyUI moves it off the card when the other needs the room. A model
+        whose layers ``weights.set`` wrote keeps them: their values are in its masters only."""
+        if not self.streamer.masters.master_layers or self.weights.set_layers:
             return
         log.info("Z-Image: %s lets go of its memory while another Z-Image model runs", self.ckpt.path)
         self.offload()
