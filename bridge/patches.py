@@ -76,11 +76,20 @@ def apply(patcher, w: Weights):
     layers = None
     if where:
         layers = LayerPatches(patcher.patches, where, w.device, w.storage_dtype,
-                              lambda: setattr(w, "patches_uuid", None), len(fixed) - fixed_unchanged, fixed_unchanged)
+                              _weakly(lambda w: setattr(w, "patches_uuid", None), w), len(fixed) - fixed_unchanged,
+                              fixed_unchanged)
     w.patch_layers(layers)
     w.patches_uuid = patcher.patches_uuid
     if fixed and layers is None:
         _say_count(len(fixed) - fixed_unchanged, fixed_unchanged)
+
+
+def _weakly(fn, owner):
+    """``fn(owner)`` through a weak reference to ``owner``: a patch set is held by the model it
+    patches, and a reference back would make a cycle, which keeps a dropped model's pinned memory
+    until Python's next collection instead of letting it go with the model."""
+    ref = weakref.ref(owner)
+    return lambda: (o := ref()) is not None and fn(o)
 
 
 def _say_count(changed, unchanged, model=""):
@@ -236,8 +245,9 @@ def apply_to_stack(patcher, stack):
         return
     dtype = stack.layout.dtype  # the layers' own: ComfyUI rounds a patched weight back to it
     where = {k: (*stack.layer_of(k), dtype) for k in patcher.patches}
-    stack.set_patch(LayerPatches(patcher.patches, where, stack.device, dtype, lambda: stack.set_patch(None, None),
-                                 model=" of the text encoder") if where else None, patch_id)
+    stack.set_patch(LayerPatches(patcher.patches, where, stack.device, dtype,
+                                 _weakly(lambda s: s.set_patch(None, None), stack), model=" of the text encoder")
+                    if where else None, patch_id)
 
 
 def stack_takes(patcher, stack) -> bool:
