@@ -55,4 +55,3 @@ class LayerChain:
     def release(self):
         for s in self.streamers:
             s.release()
-

@@ -97,8 +97,8 @@ def place(cfg: ZImageConfig, devices: list, frees: list, width: int, height: int
         plans, host_room = [], limits.host_room
         for device, free, blocks in zip(devices, frees, ranges):
             idle = 0.0 if costs is None else sum(costs) - sum(costs[blocks.start:blocks.stop])
-            p, _ = split_for(cfg, free - limits.leave_free, width, height, batch, storage, dtype, compute_copy_ratio,
-                         host_room, file_copy, text_tokens, upload_s, blocks=blocks, idle=idle)
+            p, _ = split_for(cfg, free - limits.leave_free, width, height, batch, storage, dtype,
+                             compute_copy_ratio, host_room, file_copy, text_tokens, upload_s, blocks=blocks, idle=idle)
             p = within(replace(p, step_s=None), _share(limits, host_room, len(blocks), n))
             plans.append(p)
             if host_room is not None:

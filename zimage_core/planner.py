@@ -202,8 +202,8 @@ def _with_compression(args, compress, decode, storage) -> Plan:
 
 
 def split_for(cfg, free_bytes, width, height, batch, storage, dtype, compute_copy_ratio, host_room, file_copy,
-          text_tokens, upload_s, compress=False, decode=0.0, stored=None, blocks: range | None = None,
-          idle: float = 0.0) -> tuple:
+              text_tokens, upload_s, compress=False, decode=0.0, stored=None, blocks: range | None = None,
+              idle: float = 0.0) -> tuple:
     """(``plan``'s split with or without compressed masters, its simulated step in plain uploads
     of a layer, or None where the compute/copy ratio is not known). ``blocks``: plan only these
     blocks (one device's range of a ``placement``; the plan counts them from 0), whose copy engine
