@@ -23,10 +23,6 @@ class LayerChain:
         self.n_layers = ranges[-1].stop
 
     @property
-    def devices(self) -> list:
-        return [s.device for s in self.streamers]
-
-    @property
     def n_streamed(self) -> int:
         return sum(s.n_streamed for s in self.streamers)
 
@@ -47,10 +43,6 @@ class LayerChain:
             x = s.run_layers(to_device(x, s.device), lambda i, y, big, a=own.start: layer_fn(i + a, y, big),
                              range(part.start - own.start, part.stop - own.start), next_forward)
         return x
-
-    def synchronize(self):
-        for s in self.streamers:
-            s.synchronize()
 
     def release(self):
         for s in self.streamers:
