@@ -51,10 +51,8 @@ class Placement:
                         f"GiB free. Free GPU memory on {device}, or leave it out of the loader's devices.")
         parts = [f"{device} {_span(blocks)}: {p.resident_layers} on the GPU, {p.streamed_layers} streamed{p.sources()}"
                  for device, blocks, p in zip(self.devices, self.ranges, self.plans)]
-        p = self.plans[0]
-        size = f"{p.width}x{p.height}{'' if p.batch == 1 else f', batch {p.batch}'}"
         return f"Z-Image: {self.resident_layers} of {sum(map(len, self.ranges))} layers on the GPUs: " \
-               f"{'; '.join(parts)} ({size})"
+               f"{'; '.join(parts)} ({self.plans[0].size_words})"
 
 
 def _span(blocks: range) -> str:

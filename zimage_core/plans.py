@@ -97,11 +97,17 @@ class Plan:
                    file_layers=self.file_layers, ram_short=self.ram_short, pinned_host_bytes=self.pinned_host_bytes)
         return out
 
-    def summary(self) -> str:
-        n = self.resident_layers + self.streamed_layers
+    @property
+    def size_words(self) -> str:
+        """What the plan is for, as its line says it: "1024x1024, batch 2, a prompt of up to 1024 tokens"."""
         size = f"{self.width}x{self.height}{'' if self.batch == 1 else f', batch {self.batch}'}"
         if self.text_tokens > TEXT_TOKENS:
             size += f", a prompt of up to {self.text_tokens} tokens"
+        return size
+
+    def summary(self) -> str:
+        n = self.resident_layers + self.streamed_layers
+        size = self.size_words
         memory = "RAM" if self.on_cpu else "GPU memory"
         if not self.fits:
             if self.largest_fitting:
