@@ -19,7 +19,7 @@ import comfy.model_management as mm
 import comfy.model_patcher
 import comfy.supported_models
 
-from ..zimage_core import planner
+from ..zimage_core import planner, triton_lora
 from ..zimage_core.checkpoint import Checkpoint
 from ..zimage_core.errors import OutOfDeviceMemory
 from ..zimage_core.image_size import ImageSize
@@ -186,6 +186,9 @@ def load_model(path, weight_dtype="default", settings: Settings = Settings()):
     t = ZImageTransformer.load(path, device=load_device, dtype=_DTYPE_NAMES[compute], weight_dtype=storage_name,
                                settings=settings, initial_device=offload_device,
                                check_interrupt=mm.throw_exception_if_processing_interrupted, attention=comfy_attention)
+    # the fused LoRA patch's check compiles what a LoRA will launch, beside the first image (not in
+    # the first LoRA image: a second or more where Triton's cache on disk has none of it)
+    triton_lora.check_soon(load_device, mm.lora_compute_dtype(load_device), t.storage_dtype)
     base = ZImageModel(model_config, device=None)
     base.diffusion_model = t
     return ZImagePatcher(base, load_device=load_device, offload_device=offload_device)

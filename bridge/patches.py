@@ -192,7 +192,8 @@ class LayerPatches:
             entries = [(strength, _on_device(data, device), *rest) for strength, data, *rest in patches[key]]
             low_rank = LowRank.of(entries, held, dtype, device)
             self.by_layer.setdefault(layer, []).append((matrix, key, entries, held, string_to_seed(key), low_rank))
-        # the fused kernel's check (a compile) runs on a thread while the prompt's encode does
+        # the fused kernel's check (compiles) started when the model loaded; where not, it runs now on a
+        # thread while the prompt's encode does
         for inter in {e[5].inter for entries in self.by_layer.values() for e in entries if e[5]}:
             triton_lora.check_soon(device, inter, dtype)
         self.layers = set(self.by_layer)
@@ -288,16 +289,7 @@ class LowRank:
 
     def __call__(self, weight, out):
         """``out`` = the patched ``weight`` (``out`` may be ``weight``)."""
-        value = weight
-        for n, (up, down, scale) in enumerate(self.terms):
-            # calculate_weight's product is float32 (ModelPatcher leaves its intermediate dtype at the
-            # default); the weight's copy, and so the sum, is in the device's LoRA dtype
-            diff = torch.mm(up.to(weight.device, torch.float32).flatten(start_dim=1),
-                            down.to(weight.device, torch.float32).flatten(start_dim=1))
-            dst = out if n == len(self.terms) - 1 else torch.empty(weight.shape, dtype=self.inter, device=weight.device)
-            triton_lora.add_scaled(value, diff.view(weight.shape), scale, dst, self.inter)
-            value = dst
-        return out
+        return triton_lora.add_products(weight, self.terms, out, self.inter)
 
 
 def _tensors(data):

@@ -142,7 +142,7 @@ def reaches() -> list:
               or _attributes(comfy.supported_models.ZImage, "supported_inference_dtypes", "set_inference_dtype")),
         Reach("ModelPatcher's weight-patch formula, re-implemented: lora.calculate_weight(patches, weight, key), "
               "float.stochastic_rounding(value, dtype, seed), string_to_seed (utils; model_patcher in v0.8), "
-              "model_management.lora_compute_dtype", "patches.py: apply",
+              "model_management.lora_compute_dtype", "patches.py: apply; model.py: load_model",
               lambda: _params(comfy.lora.calculate_weight, "patches", "weight", "key")
               or _params(comfy.float.stochastic_rounding, "value", "dtype", "seed")
               or (None if hasattr(comfy.utils, "string_to_seed") else _attributes(mp, "string_to_seed"))

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from zimage_core import attention_input, elementwise, quants, triton_decode, triton_dequant, triton_lora
+from zimage_core.config import FULL
 
 CAPABILITIES = (75, 80, 86, 89, 90, 120)
 TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.uint8: "u8",
@@ -100,3 +101,35 @@ def test_every_kernel_compiles_for(capability, monkeypatch):
         except Exception as e:  # noqa: BLE001 - every failure is reported, with its kernel
             failed.append(f"{kernel.__name__} {kwargs}: {type(e).__name__}: {str(e)[:300]}")
     assert not failed, "\n".join(failed)
+
+
+def specialization(args, kwargs) -> tuple:
+    """What Triton compiles a launch for: the pointers' dtypes, each integer's divisibility by 16
+    (and whether it is 1), the constexprs and the compile options."""
+    def of(v):
+        if isinstance(v, torch.Tensor):
+            return v.dtype
+        if isinstance(v, int) and not isinstance(v, bool):
+            return v % 16 == 0, v == 1
+        return type(v).__name__
+    return tuple(of(a) for a in args), tuple(sorted((k, str(v)) for k, v in kwargs.items()))
+
+
+@pytest.mark.parametrize("inter", (torch.float16, torch.float32))
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16))
+def test_the_lora_check_compiles_what_a_patch_launches(inter, dtype, monkeypatch):
+    """A LoRA's first image compiles nothing: the fused patch's check, started when a model loads,
+    launches every specialization that one, two and three stacked LoRAs launch on Z-Image's weights."""
+    pytest.importorskip("triton", reason="Triton is not installed (it comes with torch's CUDA builds)")
+    kernel = Recorder(None)
+    monkeypatch.setattr(triton_lora, "_kernel", lambda: kernel)
+    triton_lora.check(torch.device("cpu"), inter, dtype)  # recorded, not run: its comparisons fail
+    checked = {specialization(*call) for call in kernel.calls}
+    kernel.calls.clear()
+    for rows, cols in FULL.big_shapes.values():
+        weight = torch.empty(rows, cols, dtype=dtype, device="meta")
+        for stacked in (1, 2, 3):
+            lora = (torch.empty(rows, 16, device="meta"), torch.empty(16, cols, device="meta"), 0.5)
+            triton_lora.add_products(weight, [lora] * stacked, weight, inter)
+    launched = {specialization(*call) for call in kernel.calls}
+    assert launched and launched <= checked, launched - checked

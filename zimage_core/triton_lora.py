@@ -82,25 +82,55 @@ def torch_add_scaled(base: torch.Tensor, diff: torch.Tensor, scale: float, out: 
     out.copy_(t)
 
 
+def launches(inter: torch.dtype, dtype: torch.dtype) -> list:
+    """(weight's dtype, out's dtype) of every launch a patch of ``dtype`` weights in the LoRA dtype
+    ``inter`` makes (``add_products``): one LoRA from the weight into its dtype; stacked ones from
+    the weight into the LoRA dtype, then from and into it, the last back into the weight's dtype."""
+    return list(dict.fromkeys([(dtype, dtype), (dtype, inter), (inter, inter), (inter, dtype)]))
+
+
+def add_products(weight: torch.Tensor, terms, out: torch.Tensor, inter: torch.dtype) -> torch.Tensor:
+    """``out`` = ``weight`` patched by each of ``terms`` ((up, down, scale): a LoRA's ``up @ down``
+    times ``scale``) in turn, as ComfyUI's ``calculate_weight`` does: the sum held in the LoRA dtype
+    ``inter`` between terms (its copy of the weight). ``out`` may be ``weight``."""
+    value = weight
+    for n, (up, down, scale) in enumerate(terms):
+        # calculate_weight's product is float32 (ModelPatcher leaves its intermediate dtype at the
+        # default); the weight's copy, and so the sum, is in the LoRA dtype
+        diff = torch.mm(up.to(weight.device, torch.float32).flatten(start_dim=1),
+                        down.to(weight.device, torch.float32).flatten(start_dim=1))
+        dst = out if n == len(terms) - 1 else torch.empty(weight.shape, dtype=inter, device=weight.device)
+        add_scaled(value, diff.view(weight.shape), scale, dst, inter)
+        value = dst
+    return out
+
+
 def check(device: torch.device, inter: torch.dtype, dtype: torch.dtype) -> str | None:
     """None where the kernel gives torch's bits on ``device`` for weights in ``dtype`` patched in the
-    LoRA dtype ``inter`` (values near the 16-bit roundings' edges and overflows among them), else why not."""
+    LoRA dtype ``inter`` (values near the 16-bit roundings' edges and overflows among them), else why
+    not. It launches what a patch launches (``launches``), so a LoRA's first image compiles nothing."""
     g = torch.Generator().manual_seed(11)
-    n = 3 * BLOCK + 5  # a last program that is partly masked
+    # a last program that is partly masked; a multiple of 16, as every weight's size is (Triton
+    # compiles an integer argument's divisibility by 16 into the kernel)
+    n = 3 * BLOCK + 16
     # sums that overflow a 16-bit LoRA dtype to infinity, but no infinity minus infinity (a NaN's bits
     # are not the arithmetic's)
     base = (torch.randn(n, generator=g) * torch.logspace(-6, 4, n)).clamp(-6e4, 6e4).to(dtype).to(device)
     diff = (torch.randn(n, generator=g) * 70000 ** torch.rand(n, generator=g)).clamp(-6e4, 6e4).to(device)
-    for scale in (0.37, -1.0, 3.0517578125e-05):
-        scale = float(torch.tensor(scale, dtype=torch.float32))
-        for out_dtype in {inter, dtype}:
+    results = []  # every launch first, then the comparisons: each launch is made whatever an earlier gave
+    for base_dtype, out_dtype in launches(inter, dtype):
+        b = base.to(base_dtype)
+        for scale in (0.37, -1.0, 3.0517578125e-05):
+            scale = float(torch.tensor(scale, dtype=torch.float32))
             want = torch.empty(n, dtype=out_dtype, device=device)
-            torch_add_scaled(base, diff, scale, want, inter)
+            torch_add_scaled(b, diff, scale, want, inter)
             got = torch.full_like(want, float("nan"))
-            add_scaled(base, diff, scale, got, inter)
-            bits = {4: torch.int32, 2: torch.int16}[want.element_size()]
-            if not torch.equal(got.view(bits), want.view(bits)):
-                return f"its {dtype} weights patched in {inter} into {out_dtype} are not torch's"
+            add_scaled(b, diff, scale, got, inter)
+            results.append((f"its {base_dtype} weights patched in {inter} into {out_dtype} are not torch's", got, want))
+    for why, got, want in results:
+        bits = {4: torch.int32, 2: torch.int16}[want.element_size()]
+        if not torch.equal(got.view(bits), want.view(bits)):
+            return why
     return None
 
 
@@ -125,6 +155,8 @@ def runs_on(device, inter: torch.dtype, dtype: torch.dtype) -> bool:
 
 
 def check_soon(device, inter: torch.dtype, dtype: torch.dtype):
-    """Start that check on a thread of its own (when a LoRA is applied, before its first upload)."""
+    """Start that check on a thread of its own (when a model loads: its compiles, a second or more
+    where Triton's cache on disk has none of them, then run beside the first image, not in the first
+    LoRA image)."""
     if torch.device(device).type == "cuda" and inter in DTYPES and dtype in DTYPES:
         _check(inter, dtype).soon(device)
