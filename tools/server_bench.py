@@ -114,13 +114,16 @@ def one_server(a, base, pipeline, card, tag):
     logs = os.path.join(base, "logs")
     log = os.path.join(logs, f"{tag}-{pipeline}-card{card}.log")
     procs, server = [], None
+    clock = [("start", time.monotonic())]  # what each part of the server's setup and teardown took
     try:
         read_through(os.path.join(a.weights, name) for _, name in weight_files(a))
+        clock.append(("files read", time.monotonic()))
         # the GPU ballast first: its CUDA context takes host RAM that the RAM ballast then accounts for
         if card != "full":
             procs.append(start_ballast(a, "ballast.py", card, f"{log}.gpu.ready", f"{log}.ballast"))
         if a.ram_gib:
             procs.append(start_ballast(a, "ram_ballast.py", a.ram_gib, f"{log}.ram.ready", f"{log}.ballast"))
+        clock.append(("ballasts", time.monotonic()))
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
@@ -135,6 +138,7 @@ def one_server(a, base, pipeline, card, tag):
             f.write(" ".join(cmd) + "\n")
         server = Server(spawn(cmd, log, env=env, cwd=a.comfy), port, log)
         server.wait_ready(a.start_timeout)
+        clock.append(("server start", time.monotonic()))
         server.new_log()  # start-up lines are not an image's
         rec = dict(pipeline=pipeline, card=card, ram_available_gib=round(avail, 2), log=log, server_cmd=cmd,
                    env=a.env if pipeline == "pack" else [], images=[])
@@ -157,11 +161,16 @@ def one_server(a, base, pipeline, card, tag):
                   + (f"  evicted {row['evicted_gib']:.2f} GiB" if row["evicted_gib"] else "")
                   + (f"  floor {row['floor_s']:.2f} s ({sec / row['floor_s']:.2f}x)" if "floor_s" in row else ""),
                   flush=True)
+        clock.append(("images", time.monotonic()))
         return rec
     finally:
         stop(server.proc if server else None)
         for p in reversed(procs):
             stop(p)
+        clock.append(("stop", time.monotonic()))
+        # a lent GPU's time is short: where a server's minutes went, so the next run can be planned
+        print(f"--- {pipeline}, card {card}: " + ", ".join(f"{name} {t - before:.0f} s" for (_, before), (name, t)
+                                                          in zip(clock, clock[1:])), flush=True)
 
 
 def summarize(rec):
