@@ -71,8 +71,8 @@ def recorded_calls(monkeypatch):
     n = 3 * triton_lora.BLOCK + 5
     for inter in dtypes:
         for dtype in dtypes:
-            for out in {inter, dtype}:
-                triton_lora.add_scaled(torch.empty(n, dtype=dtype), torch.empty(n), 0.5,
+            for base, out in triton_lora.launches(inter, dtype):
+                triton_lora.add_scaled(torch.empty(n, dtype=base), torch.empty(n), 0.5,
                                        torch.empty(n, dtype=out), inter)
     for name, q in quants.TYPES.items():
         for out in dtypes:
