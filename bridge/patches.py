@@ -73,14 +73,19 @@ def apply(patcher, w: Weights):
     where = {k: (*at, _held_dtype(w, n, w.storage_dtype)) for k, n in names.items() if (at := w.layer_of(n))}
     fixed = set(names) - set(where)
     fixed_unchanged = _apply_fixed(patcher, w, fixed)
-    layers = None
-    if where:
-        layers = LayerPatches(patcher.patches, where, w.device, w.storage_dtype,
-                              _weakly(lambda w: setattr(w, "patches_uuid", None), w), len(fixed) - fixed_unchanged,
-                              fixed_unchanged)
-    w.patch_layers(layers)
+    forget = _weakly(lambda w: setattr(w, "patches_uuid", None), w)
+    first = w.device
+
+    def make(device, blocks):
+        """The patches of the layers ``blocks`` (one card's range), their tensors on ``device``; the
+        first card's count says the fixed part's too."""
+        mine = {k: v for k, v in where.items() if v[0] in blocks}
+        counts = (len(fixed) - fixed_unchanged, fixed_unchanged) if device == first else (0, 0)
+        return LayerPatches(patcher.patches, mine, device, w.storage_dtype, forget, *counts,
+                            model="" if len(blocks) == w.cfg.n_blocks else f" on {device}") if mine else None
+    w.patch_layers(make if where else None)
     w.patches_uuid = patcher.patches_uuid
-    if fixed and layers is None:
+    if fixed and not where:
         _say_count(len(fixed) - fixed_unchanged, fixed_unchanged)
 
 

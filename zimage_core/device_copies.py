@@ -60,8 +60,10 @@ class DeviceCopies:
     def __init__(self, entries: list, device, pool: HostPool, dtypes: list | None = None):
         """``dtypes``: per entry, the dtype the model runs that tensor in where it differs from the
         tensor's own (a loader that keeps the file's fp32 tensors and casts them as it loads them),
-        else None; the device copies are cast to it after the upload."""
+        else None; the device copies are cast to it after the upload. Every copy goes to ``device``
+        until ``spread`` sends some to other cards."""
         self.entries, self.device, self.pool = entries, device_of(device), pool
+        self.devices = [self.device] * len(entries)  # where each entry's copy goes
         tensors = [getattr(m, kind)[name] for m, kind, name in entries]
         self.dtypes = [d if d is not None and d != t.dtype else None
                        for t, d in zip(tensors, dtypes or [None] * len(entries))]
@@ -71,8 +73,25 @@ class DeviceCopies:
         self._device = None  # the device copies, while loaded
         self.placed = False  # the model's tensors are the device copies until ``unload``
 
-    def device_bytes(self) -> int:
-        return self.loaded_bytes if self._device is not None else 0
+    def device_bytes(self, device=None) -> int:
+        """What the copies hold on the devices now (on ``device`` only, where given)."""
+        if self._device is None:
+            return 0
+        return sum(t.numel() * t.element_size() for t, d in zip(self._device, self.devices)
+                   if device is None or d == device)
+
+    def spread(self, devices: list):
+        """Each entry's copy on ``devices[j]`` from now on (a transformer whose blocks span cards:
+        a block's norms and adaLN on the card that runs it). Copies already loaded elsewhere are
+        dropped and uploaded again from the same masters, on their new card."""
+        devices = [device_of(d) for d in devices]
+        if devices == self.devices:
+            return
+        placed = self.placed
+        self.unload()
+        self.devices = devices
+        if placed:
+            self.place()
 
     def load(self):
         if self._host is None:
@@ -86,8 +105,8 @@ class DeviceCopies:
         if self._device is None:
             # uploaded as stored, then cast on the device: a cast on the way would go through a
             # pageable copy on the CPU
-            self._device = [t.to(self.device, non_blocking=True).to(d or t.dtype)
-                            for t, d in zip(self._host, self.dtypes)]
+            self._device = [t.to(device, non_blocking=True).to(d or t.dtype)
+                            for t, d, device in zip(self._host, self.dtypes, self.devices)]
 
     def place(self):
         """Load, and leave the model's tensors on the device copies (a model whose every forward

@@ -70,7 +70,7 @@ def handoff_copies(cfg: ZImageConfig, width, height, batch, text_tokens, storage
 def place(cfg: ZImageConfig, devices: list, frees: list, width: int, height: int, batch: int = 1,
           limits: Limits = Limits(), storage=torch.bfloat16, dtype=torch.bfloat16,
           compute_copy_ratio: float | None = None, file_copy: float | None = None,
-          text_tokens: int = TEXT_TOKENS, upload_s: float | None = None) -> Placement:
+          text_tokens: int = TEXT_TOKENS, upload_s: float | None = None, ranges: tuple | None = None) -> Placement:
     """The layers of every device in ``devices`` (``frees[d]``: its free bytes) for an image of
     this size: ``planner.plan``'s arguments, the compute/copy balance assumed the same on every
     card (cards of one kind). Each card holds the fixed part (its ranges' norms and adaLN, the
@@ -78,7 +78,9 @@ def place(cfg: ZImageConfig, devices: list, frees: list, width: int, height: int
     each, ``limits.host_room`` goes to the masters of the layers that run first, and a
     ``max_resident`` or ``resident`` is shared out in proportion to the ranges. Starts from ranges
     in proportion to each card's room for layers and moves each cut by one layer while that
-    shortens the step (or, unmeasured, streams fewer layers or spreads them more evenly)."""
+    shortens the step (or, unmeasured, streams fewer layers or spreads them more evenly). With
+    ``ranges`` (a transformer cut already: its streamers and masters are per range) each card's
+    plan of those ranges."""
     n = cfg.n_blocks
     act = activation_bytes(cfg, width, height, batch, text_tokens, dtype=dtype, storage=storage)
     rooms = [max(1, f - limits.leave_free - cfg.fixed_params() * dtype.itemsize - act) for f in frees]
@@ -113,8 +115,10 @@ def place(cfg: ZImageConfig, devices: list, frees: list, width: int, height: int
         streamed = [p.streamed_layers for p in placement.plans]
         return (not placement.fits, step if step is not None else 0.0, sum(streamed), max(streamed))
 
+    if ranges is not None:
+        cuts = [r.stop for r in ranges[:-1]]
     best = build(cuts)
-    improved = len(devices) > 1
+    improved = len(devices) > 1 and ranges is None
     while improved:
         improved = False
         for d in range(len(cuts)):

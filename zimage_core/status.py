@@ -39,6 +39,11 @@ class SplitStatus:
             b = self.streamer.masters.blocks_on_device
             sources = plan.sources() if plan and (plan.resident_layers, plan.block_layers) == (r, b) else ""
             msg = split_line(r, b, n, sources) + size
+        self.say(msg)
+
+    def say(self, msg: str):
+        """A status line, where it differs from the last one said: to the callback when one is set,
+        else to the log."""
         if msg == self._last:
             return
         self._last = msg

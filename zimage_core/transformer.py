@@ -21,12 +21,14 @@ from . import attention_input, compression, device_memory, elementwise, host_mem
 from .checkpoint import Checkpoint
 from .config import BIG_KEYS, ZImageConfig
 from .device_copies import DeviceCopies, module_tensors
-from .devices import device_free_bytes
+from .devices import device_free_bytes, device_of
 from .dit import ZImageDiT, cpu_chunks, sdpa_attention
 from .errors import CheckpointError, NonFiniteWeights, OutOfDeviceMemory, ZImageError
 from .host_memory import HostPool, locks_files
 from .image_size import ImageSize
+from .layer_chain import LayerChain
 from .layout import PackLayout, StreamConfig
+from .placement import Placement, place
 from .ram import available_ram
 from .settings import COMPUTE_DTYPES, STORAGE_DTYPES, Settings
 from .split_planner import SplitPlanner
@@ -67,43 +69,75 @@ def check_kernels_soon(device, total_bytes: int, compress: bool = True, quant_ty
     triton_dequant.check_soon(device, quant_types, dtype)
 
 
+def check_devices(devices: list) -> tuple:
+    """The devices a transformer is loaded on, each with its index; a clear error for a card that is
+    not there or named twice, or a mix of kinds."""
+    out = tuple(device_of(d) for d in devices)
+    if not out:
+        raise ZImageError("no device given: name the card the transformer runs on.")
+    if len({d.type for d in out}) > 1:
+        raise ZImageError(f"devices {', '.join(map(str, out))}: the layers span cards of one kind; give CUDA "
+                          "devices only, or the CPU alone.")
+    if out[0].type == "cuda":
+        count = torch.cuda.device_count()
+        for d in out:
+            if d.index >= count:
+                raise ZImageError(f"{d} is not there: this machine has {count} CUDA device{'' if count == 1 else 's'}"
+                                  f"{f' (cuda:0 to cuda:{count - 1})' if count > 1 else ''}. Leave it out of the "
+                                  "loader's devices.")
+        if len(set(out)) < len(out):
+            raise ZImageError(f"devices {', '.join(map(str, out))}: a card is named twice; name each once.")
+    return out
+
+
 # every transformer loaded in this process: one at a time holds host memory (``let_go_of_host``)
 _LOADED: "weakref.WeakSet[ZImageTransformer]" = weakref.WeakSet()
 
 
 class ZImageTransformer(torch.nn.Module):
     def __init__(self, model: ZImageDiT, streamer: LayerStreamer, ckpt: Checkpoint, fixed: DeviceCopies,
-                 settings: Settings, check_interrupt=None):
+                 settings: Settings, check_interrupt=None, devices: tuple = ()):
         """``check_interrupt()`` raises to stop a forward; it runs between blocks (and, on the CPU,
-        between pieces of a block)."""
+        between pieces of a block). ``devices``: the cards the layers span (the first is
+        ``streamer``'s, where the model runs until its first image cuts the layers across them)."""
         super().__init__()
-        self.model, self.streamer, self.ckpt, self.fixed = model, streamer, ckpt, fixed
+        self.model, self.ckpt, self.fixed = model, ckpt, fixed
         self.cfg: ZImageConfig = model.cfg
         self.dtype = model.dtype
         self.storage_dtype = streamer.layout.dtype
         self.device = streamer.device
+        self.devices = tuple(devices) or (self.device,)
         self.settings = settings
         self.plan: plans.Plan | None = None
+        self.placement: Placement | None = None  # where the layers span cards: the last image's
+        self.chain = LayerChain([streamer], [range(self.cfg.n_blocks)])
         self.status = SplitStatus(self.cfg, streamer, settings)
         self.planner = SplitPlanner(self.cfg, self.dtype, streamer, settings)
-        checks = FiniteChecks(self.cfg.n_blocks)
-        streamer.observe(checks)
-        self.weights = Weights(model, streamer, ckpt, fixed, checks)
+        self.checks = FiniteChecks(self.cfg.n_blocks)
+        self.chain.observe(self.checks)
+        self.weights = Weights(model, self.chain, ckpt, self.fixed, self.checks)
         self.check_interrupt = check_interrupt or (lambda: None)
         self.fixed_bytes = fixed.loaded_bytes
+
+    @property
+    def streamer(self) -> LayerStreamer:
+        """The first card's layer stream (of one card: every layer's)."""
+        return self.chain.streamers[0]
 
     @classmethod
     def load(cls, path, device="cuda", dtype="bf16", weight_dtype=None, settings: Settings = Settings(),
              initial_device=None, check_interrupt=None, attention=sdpa_attention):
-        """``device`` computes; the fixed part starts on ``initial_device`` (default: ``device``),
-        e.g. the CPU for a model that ComfyUI moves to the GPU when it is used. ``attention``: the
-        attention kernel (``ZImageDiT``)."""
+        """``device`` computes: one device, or a list of cards the layers span (``placement``: the
+        first image cuts them across the cards by their free memory; the fixed part on the first);
+        the fixed part starts on ``initial_device`` (default: ``device``), e.g. the CPU for a model
+        that ComfyUI moves to the GPU when it is used. ``attention``: the attention kernel (``ZImageDiT``)."""
         if dtype not in COMPUTE_DTYPES:
             raise ZImageError(f"compute dtype {dtype!r} is not supported; use one of {', '.join(COMPUTE_DTYPES)}.")
         if weight_dtype not in (None, "default", *STORAGE_DTYPES):
             raise ZImageError(f"weight dtype {weight_dtype!r} is not supported; use one of "
                               f"default, {', '.join(STORAGE_DTYPES)}.")
         compute = COMPUTE_DTYPES[dtype]
+        devices = check_devices(device if isinstance(device, (list, tuple)) else [device])
         log.info("Z-Image: loading the transformer from %s", path)
         ckpt = Checkpoint(path)
         pool = None
@@ -113,10 +147,14 @@ class ZImageTransformer(torch.nn.Module):
             else:
                 storage = STORAGE_DTYPES[weight_dtype]
             cfg = ckpt.config
-            dev = torch.device(device)
+            dev = devices[0]
+            if len(devices) > 1 and ckpt.streams_blocks:
+                raise ZImageError(f"{ckpt.path}: a GGUF file runs on one card; give the loader one device, "
+                                  "or load the bf16 or fp8 safetensors file across the cards.")
             home = torch.device(initial_device) if initial_device is not None else dev
             pool = HostPool("transformer", pin=dev.type == "cuda", cap_bytes=settings.pinned_cap)
-            config = StreamConfig(PackLayout(cfg, storage), dev, compress=settings.compress != "off",
+            # layers that span cards stream plain (``placement`` plans no compressed masters)
+            config = StreamConfig(PackLayout(cfg, storage), dev, compress=settings.compress != "off" and len(devices) == 1,
                                   quantized=ckpt.streams_blocks)
             sources = [layer_pieces(ckpt, f"{name}.") for name in cfg.block_names()]
             streamer = LayerStreamer(config, sources, pool)
@@ -131,10 +169,11 @@ class ZImageTransformer(torch.nn.Module):
             # the never-streamed tensors (embedders, norms, adaLN, final layer): placed on the device
             # while it computes, from one host master per dtype
             fixed = DeviceCopies(module_tensors(model), dev, pool)
-            t = cls(model, streamer, ckpt, fixed, settings, check_interrupt)
+            t = cls(model, streamer, ckpt, fixed, settings, check_interrupt, devices)
             quant_types = {p.tensor.type_name for src in sources for parts in src.values() for _, p in parts} \
                 if config.quantized else ()
-            check_kernels_soon(dev, t.total_bytes, config.can_compress, quant_types, compute)
+            for d in devices:
+                check_kernels_soon(d, t.total_bytes, config.can_compress, quant_types, compute)
             if home == dev:
                 t.to_device()
             _LOADED.add(t)
@@ -165,21 +204,23 @@ class ZImageTransformer(torch.nn.Module):
 
     @property
     def resident_layers(self) -> int:
-        return self.streamer.n_resident
+        return self.chain.n_resident
 
     @property
     def partly_loaded(self) -> bool:
         """Some of the model is not on the device now (layers stream, or it is offloaded)."""
-        return self.streamer.n_streamed > 0 or not self.on_device
+        return self.chain.n_streamed > 0 or not self.on_device
 
     @property
     def pinned_bytes(self) -> int:
         """Host bytes this model's pool holds (pinned masters, staging, the fixed part's master)."""
         return self.streamer.pool.used
 
-    def device_bytes(self) -> int:
-        """What this model holds on the device now."""
-        return (self.fixed_bytes if self.on_device else 0) + self.streamer.device_bytes
+    def device_bytes(self, device=None) -> int:
+        """What this model holds now on ``device`` (default: the first card, where ComfyUI's model
+        manager sees it; of one card, everything on the device)."""
+        device = self.device if device is None else device
+        return self.fixed.device_bytes(device) + self.chain.device_bytes(device)
 
     def activation_bytes(self, size: ImageSize) -> int:
         """The activations a forward of ``size`` needs on the device, by the planner's estimate."""
@@ -195,20 +236,22 @@ class ZImageTransformer(torch.nn.Module):
     def offload(self, device="cpu"):
         """Free every byte this model holds on the device. Nothing is copied back: the fixed part
         has a host master, and a layer comes back from its master or the file."""
-        self.streamer.configure(0, 0)
+        for s in self.chain.streamers:
+            s.configure(0, 0)
         if self.on_device and self.device.type != "cpu":
             self.fixed.unload()
             torch.cuda.empty_cache()
 
-    def free_bytes(self) -> int:
-        """Device memory this model could use: what is free plus its own layers and slots. On the CPU:
-        the RAM that is available (the layers are in it already)."""
-        if self.device.type == "cpu":
+    def free_bytes(self, device=None) -> int:
+        """Memory this model could use on ``device`` (default: the first card): what is free plus its
+        own layers and slots there. On the CPU: the RAM that is available (the layers are in it already)."""
+        device = self.device if device is None else device
+        if device.type == "cpu":
             avail = available_ram()
             return 1 << 62 if avail is None else avail
-        if self.device.type != "cuda":  # a device whose free memory torch does not report
+        if device.type != "cuda":  # a device whose free memory torch does not report
             return 1 << 62
-        return device_free_bytes(self.device) + self.device_bytes()
+        return device_free_bytes(device) + self.device_bytes(device)
 
     def prepare(self, width, height, batch=1, resident_layers=None, free_bytes=None,
                 text_tokens=plans.TEXT_TOKENS) -> plans.Plan:
@@ -218,6 +261,8 @@ class ZImageTransformer(torch.nn.Module):
         for other in list(_LOADED):
             if other is not self:
                 other.let_go_of_host()
+        if len(self.devices) > 1:
+            return self._prepare_span(width, height, batch, resident_layers, free_bytes, text_tokens)
         free = self.free_bytes() if free_bytes is None else free_bytes
         # on a card the current split fills, resident layers make way for the device's measurement
         p = self.planner.plan(width, height, batch, free, text_tokens, resident_layers, self._evict_one)
@@ -236,6 +281,55 @@ class ZImageTransformer(torch.nn.Module):
         self.status.announce(self.plan)
         self.status.planned(p)
         return p
+
+    def _prepare_span(self, width, height, batch, resident_layers, free_bytes, text_tokens) -> plans.Plan:
+        """``prepare`` over several cards (``free_bytes``: a list, one per card): the first image
+        cuts the layers across them (``placement``), later ones plan each card's range again."""
+        frees = [self.free_bytes(d) for d in self.devices] if free_bytes is None else free_bytes
+        limits = plans.Limits(max_resident=self.settings.max_resident, resident=resident_layers,
+                              leave_free=self.settings.leave_free, host_room=self._span_host_room())
+        p = place(self.cfg, list(self.devices), frees, width, height, batch, limits, self.storage_dtype, self.dtype,
+                  text_tokens=text_tokens, ranges=None if self.placement is None else self.placement.ranges)
+        if resident_layers is None and not p.fits:
+            raise OutOfDeviceMemory(p.summary())
+        if self.placement is None:
+            self._cut(p)
+        for s, sub in zip(self.chain.streamers, p.plans):
+            s.configure(sub.resident_layers, sub.slots, 0, sub.masters, False)
+        self.placement, self.plan = p, p.plans[0]
+        if self.streamer.cuda:
+            host_memory.BUDGET.claim("transformer", sum(sub.host_bytes for sub in p.plans))
+        self.status.say(p.summary())
+        return self.plan
+
+    def _span_host_room(self) -> int | None:
+        """``SplitPlanner.host_room`` over every card's masters."""
+        if not self.streamer.cuda:
+            return None
+        held = sum(s.masters.master_layers * s.masters.master_bytes for s in self.chain.streamers)
+        return held + max(0, self.streamer.pool.room() - self.streamer.masters.staging_due())
+
+    def _cut(self, p: Placement):
+        """The layers across the cards as ``p`` ranges them, from now on: a streamer of each card's
+        range (``LayerChain.recut``), each block's norms and adaLN on the card that runs it. Layers
+        ``weights.set`` wrote keep their values (their masters go to the new streamers)."""
+        names, old = self.cfg.block_names(), self.streamer
+        streamers = [LayerStreamer(StreamConfig(old.layout, d, quantized=old.config.quantized),
+                                   [layer_pieces(self.ckpt, f"{names[i]}.") for i in blocks], old.pool)
+                     for d, blocks in zip(p.devices, p.ranges)]
+        written = {i: old.masters.host[i].clone() for i in self.weights.set_layers}
+        card = {}  # a block's modules -> the card that runs it
+        blocks = [*self.model.context_refiner, *self.model.noise_refiner, *self.model.layers]
+        for d, r in zip(p.devices, p.ranges):
+            for i in r:
+                card.update({id(m): d for m in blocks[i].modules()})
+        self.fixed.spread([card.get(id(m), self.device) for m, _, _ in self.fixed.entries])
+        self.chain.recut(streamers, list(p.ranges))
+        self.model.runner = self.chain
+        for i, values in written.items():
+            s, j = self.chain.locate(i)
+            s.masters.ensure_plain(j)
+            s.masters.host[j].copy_(values)
 
     def restore_split(self) -> plans.Plan | None:
         """The split of the last image again, with the memory there is now (layers another model
@@ -260,7 +354,16 @@ class ZImageTransformer(torch.nn.Module):
                 resident, slots, blocks = less
 
     def _evict_one(self) -> bool:
-        """Give back one layer's worth of device memory; False when nothing is left to evict."""
+        """Give back one layer's worth of device memory (of a span: on every card); False when
+        nothing is left to evict."""
+        if len(self.chain.streamers) > 1:
+            evicted = False
+            for s in self.chain.streamers:
+                less = planner.one_layer_less(*s.split)
+                if less is not None:
+                    s.configure(*less)
+                    evicted = True
+            return evicted
         less = planner.one_layer_less(*self.streamer.split)
         if less is None:
             return False
@@ -285,7 +388,7 @@ class ZImageTransformer(torch.nn.Module):
             # hand the blocks back to the driver: whoever asked for the room allocates other sizes,
             # which cached layer-sized blocks cannot serve
             torch.cuda.empty_cache()
-        if freed and self.streamer.n_resident + len(self.streamer.slots):
+        if freed and self.streamer.n_resident + len(self.streamer.slots) and len(self.chain.streamers) == 1:
             self.status.announce(self.plan)
         return freed
 
@@ -299,12 +402,13 @@ class ZImageTransformer(torch.nn.Module):
         A model without masters (its layers all on the device, or read from the file) keeps what it
         has: little RAM, and ComfyUI moves it off the card when the other needs the room. A model
         whose layers ``weights.set`` wrote keeps them: their values are in its masters only."""
-        if not self.streamer.masters.master_layers or self.weights.set_layers:
+        if not any(s.masters.master_layers for s in self.chain.streamers) or self.weights.set_layers:
             return
         log.info("Z-Image: %s lets go of its memory while another Z-Image model runs", self.ckpt.path)
         self.offload()
         self.fixed.release()
-        self.streamer.masters.release()
+        for s in self.chain.streamers:
+            s.masters.release()
         # a patch set's tensors held on the device go too: the next load applies the set anew
         self.weights.patch_layers(None)
         self.weights.patches_uuid = None
@@ -312,7 +416,8 @@ class ZImageTransformer(torch.nn.Module):
     def release(self):
         """Give back the device memory and every pinned host buffer."""
         self.offload()
-        self.streamer.release()
+        for s in self.chain.streamers:
+            s.release()
 
     @contextlib.contextmanager
     def status_to(self, callback):
@@ -340,7 +445,8 @@ class ZImageTransformer(torch.nn.Module):
         size = ImageSize.of_latent(x.shape)
         tokens = plans.text_tokens_to_plan(context.shape[1])
         if self.plan is None or (self.plan.width, self.plan.height, self.plan.batch, self.plan.text_tokens) != (
-                size.width, size.height, size.batch, tokens) or (self.streamer.n_streamed and not self.streamer.slots):
+                size.width, size.height, size.batch, tokens) or any(s.n_streamed and not s.slots
+                                                                    for s in self.chain.streamers):
             self.prepare(size.width, size.height, size.batch, text_tokens=tokens)
         self.weights.check_fixed()
         chunks = cpu_chunks(self.cfg, size.width, size.height, size.batch, self.check_interrupt) \
@@ -363,4 +469,5 @@ class ZImageTransformer(torch.nn.Module):
                 if self.device.type == "cuda":
                     torch.cuda.empty_cache()
                 log.warning("Z-Image: out of memory during a step; evicted a layer and retrying.")
-                self.status.announce(self.plan)
+                if len(self.chain.streamers) == 1:
+                    self.status.announce(self.plan)

@@ -11,20 +11,22 @@ from .config import BIG_KEYS, ZImageConfig
 from .device_copies import DeviceCopies
 from .dit import ZImageDiT
 from .errors import CheckpointError
-from .streamer import LayerStreamer
+from .layer_chain import LayerChain
 from .weight_checks import FiniteChecks, all_finite
 
 _MATRIX = {v: k for k, v in BIG_KEYS.items()}  # "attention.qkv" -> "qkv"
 
 
 class Weights:
-    def __init__(self, model: ZImageDiT, streamer: LayerStreamer, ckpt: Checkpoint, fixed: DeviceCopies,
+    def __init__(self, model: ZImageDiT, layers: LayerChain, ckpt: Checkpoint, fixed: DeviceCopies,
                  checks: FiniteChecks):
-        self.model, self.streamer, self.ckpt, self.fixed, self.checks = model, streamer, ckpt, fixed, checks
+        """``layers``: the streamers of the blocks (one, or one per card of a transformer that spans cards)."""
+        self.model, self.layers, self.ckpt, self.fixed, self.checks = model, layers, ckpt, fixed, checks
         self.cfg: ZImageConfig = model.cfg
         self.dtype = model.dtype                      # the fixed part's (the compute dtype)
-        self.storage_dtype = streamer.layout.dtype    # the streamed matrices'
-        self.device = streamer.device
+        self.layout = layers.streamers[0].layout
+        self.storage_dtype = self.layout.dtype        # the streamed matrices'
+        self.device = layers.streamers[0].device      # the first card's, where ComfyUI sees the model
         self._blocks = {name: i for i, name in enumerate(self.cfg.block_names())}
         self._keys = ckpt.keys()
         self._fixed_checked = False                   # the fixed part's values were checked where they run
@@ -46,7 +48,7 @@ class Weights:
         out = {k: (tuple(v.shape), v.dtype) for k, v in self.model.named_parameters()}
         for key in self._keys:
             if key not in out:
-                out[key] = (self.streamer.layout.shapes[self.layer_of(key)[1]], self.storage_dtype)
+                out[key] = (self.layout.shapes[self.layer_of(key)[1]], self.storage_dtype)
         return out
 
     def stored_dtype(self, key) -> torch.dtype:
@@ -58,7 +60,7 @@ class Weights:
         for the rest), freshly read from the file."""
         slot = self.layer_of(key)
         if slot:
-            out = torch.empty(self.streamer.layout.shapes[slot[1]], dtype=self.storage_dtype)
+            out = torch.empty(self.layout.shapes[slot[1]], dtype=self.storage_dtype)
         else:
             out = torch.empty(self.model.get_parameter(key).shape, dtype=self.dtype)
         self.ckpt.read_into(key, out)
@@ -75,20 +77,21 @@ class Weights:
             self._fixed_checked = False
             return
         owner, name = slot
-        s = self.streamer
+        s, i = self.layers.locate(owner)
         s.synchronize()
         s.drop_queued()  # a slot may hold the old weights, uploaded ahead
-        s.masters.ensure_plain(owner)
+        s.masters.ensure_plain(i)
         self.set_layers.add(owner)
         self.checks.recheck(owner)
-        s.layout.region(s.masters.host[owner], name).copy_(value)
-        if owner in s.resident:
-            s.layout.region(s.resident[owner], name).copy_(value)
+        s.layout.region(s.masters.host[i], name).copy_(value)
+        if i in s.resident:
+            s.layout.region(s.resident[i], name).copy_(value)
 
-    def patch_layers(self, patch):
+    def patch_layers(self, make):
         """Weight patches applied on the device to the streamed layers as they arrive
-        (``LayerStreamer.set_patch``), or None."""
-        self.streamer.set_patch(patch)
+        (``LayerChain.set_patch``: ``make(device, blocks)`` gives the patch of a card's range of
+        blocks, its tensors on that card), or None."""
+        self.layers.set_patch(make)
 
     def check_fixed(self):
         """Every tensor outside the streamed layers is finite, checked once where it runs (on the
@@ -96,7 +99,8 @@ class Weights:
         if self._fixed_checked:
             return
         tensors = list(self.model.named_parameters())
-        ok = torch.stack([all_finite(t) for _, t in tensors]).cpu()
+        # the checks of a span's blocks on their cards meet on the first for one read
+        ok = torch.stack([all_finite(t).to(self.device) for _, t in tensors]).cpu()
         if not bool(ok.all()):
             bad = tensors[int((~ok).nonzero()[0])][0]
             raise CheckpointError(self.ckpt.path, f"has NaN or infinite values in {bad}.",
