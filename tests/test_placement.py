@@ -6,6 +6,7 @@ import torch
 
 from conftest import TINY, chain_of, inputs
 from zimage_core.config import FULL
+from zimage_core.errors import CheckpointError
 from zimage_core.placement import place
 from zimage_core.planner import plan
 from zimage_core.plans import Limits
@@ -149,3 +150,92 @@ class _Interrupted:
                 raise KeyboardInterrupt
             return layer_fn(i, y, big)
         return self.chain.run_layers(x, stop, blocks, next_forward)
+
+
+# -- a transformer loaded across devices (two CPU "cards": the same code paths, no GPU) -------------
+
+def _across(tiny_file, resident=None, frees=(1 << 40, 1 << 40)):
+    m = ZImageTransformer.load(tiny_file, device=["cpu", "cpu"], dtype="bf16")
+    m.prepare(64, 48, resident_layers=resident, free_bytes=list(frees))
+    return m
+
+
+def test_a_transformer_across_two_devices_gives_the_one_device_output(one_card, tiny_file):
+    """The first image cuts the layers across the devices, each card streaming part of its range;
+    a later plan keeps the cut (its masters are per card) and the output stays one device's."""
+    x, t, ctx = inputs(TINY, seed=5)
+    one_card.prepare(64, 48, 1, resident_layers=TINY.n_blocks)
+    ref = one_card(x, t, ctx)
+    m = _across(tiny_file, resident=2)
+    try:
+        assert len(m.chain.streamers) == 2 and m.model.runner is m.chain
+        cut = m.placement.ranges
+        assert [(s.n_resident, s.n_streamed) for s in m.chain.streamers] == [(1, len(r) - 1) for r in cut]
+        for _ in range(2):
+            assert torch.equal(m(x, t, ctx, transformer_options=_another_follows()), ref)
+        m.prepare(64, 48, free_bytes=[1 << 40, 1 << 40])
+        assert m.placement.ranges == cut and m.chain.n_streamed == 0
+        assert torch.equal(m(x, t, ctx), ref)
+    finally:
+        m.release()
+
+
+def test_patches_and_checks_reach_each_card_by_the_blocks_index_in_the_model(one_card, tiny_file):
+    """A patch is made per card for its range (its tensors there) and applied to the block it
+    names; a NaN written into a block of the second card before the cut is carried by the cut
+    and named with that block's own name."""
+    x, t, ctx = inputs(TINY, seed=6)
+    last = TINY.block_names()[-1]
+
+    class AddOne:  # a weight patch: qkv of block ``i`` plus one
+        def __init__(self, blocks):
+            self.layers = {TINY.n_blocks - 1} & set(blocks)
+
+        def apply(self, i, views):
+            assert i == TINY.n_blocks - 1
+            views.qkv.add_(1.0)
+
+        def verify(self):
+            pass
+
+    made = []
+
+    def make(device, blocks):
+        made.append((device, blocks))
+        return AddOne(blocks)
+    one_card.prepare(64, 48, 1, resident_layers=TINY.n_blocks)
+    one_card.weights.patch_layers(make)
+    try:
+        ref = one_card(x, t, ctx)
+    finally:
+        one_card.weights.patch_layers(None)
+    assert made == [(torch.device("cpu"), range(TINY.n_blocks))]
+    m = ZImageTransformer.load(tiny_file, device=["cpu", "cpu"], dtype="bf16")
+    try:
+        m.weights.patch_layers(make)
+        key = f"{last}.attention.qkv.weight"
+        good = m.weights.base(key)
+        m.weights.set(key, torch.full_like(good, float("nan")))
+        with pytest.raises(CheckpointError, match=f"{last}.attention.qkv.weight"):
+            m.prepare(64, 48, resident_layers=2, free_bytes=[1 << 40, 1 << 40])
+            m(x, t, ctx)
+        assert made[1:] == [(torch.device("cpu"), range(TINY.n_blocks)),
+                            *((torch.device("cpu"), r) for r in m.placement.ranges)]
+        m.weights.set(key, good)
+        assert torch.equal(m(x, t, ctx), ref)
+    finally:
+        m.release()
+
+
+def test_devices_that_are_not_there_or_cannot_span_are_named(tiny_file, tmp_path):
+    from tools.gguf_weights import write_gguf
+    from zimage_core.errors import ZImageError
+    count = torch.cuda.device_count()
+    with pytest.raises(ZImageError, match=f"cuda:{count} is not there: this machine has {count} CUDA device"):
+        ZImageTransformer.load(tiny_file, device=[*(f"cuda:{i}" for i in range(count)), f"cuda:{count}"])
+    with pytest.raises(ZImageError, match="cards of one kind"):
+        ZImageTransformer.load(tiny_file, device=["cpu", "cuda:0"])
+    gguf = str(tmp_path / "tiny.gguf")
+    write_gguf(tiny_file, gguf, "Q8_0")
+    with pytest.raises(ZImageError, match="a GGUF file runs on one card"):
+        ZImageTransformer.load(gguf, device=["cpu", "cpu"])
