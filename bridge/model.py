@@ -21,7 +21,7 @@ import comfy.supported_models
 
 from ..zimage_core import planner, triton_lora
 from ..zimage_core.checkpoint import Checkpoint
-from ..zimage_core.errors import OutOfDeviceMemory
+from ..zimage_core.errors import OutOfDeviceMemory, ZImageError
 from ..zimage_core.image_size import ImageSize
 from ..zimage_core.settings import COMPUTE_DTYPES, STORAGE_DTYPES, Settings
 from ..zimage_core.transformer import ZImageTransformer
@@ -159,12 +159,44 @@ def describe(model, unet_name) -> str:
     t = model.zimage
     n = t.cfg.n_blocks
     held = "read from the file as the first image needs them" if t.device.type == "cuda" else "in host memory (CPU)"
+    if len(t.devices) > 1:
+        held += f", across {', '.join(map(str, t.devices))} as their memory allows"
     return f"Z-Image: {unet_name}: {n} layers ({t.cfg.n_layers} main, {n - t.cfg.n_layers} refiners), {held}"
 
 
-def load_model(path, weight_dtype="default", settings: Settings = Settings()):
-    """A Z-Image MODEL backed by the streaming core; dtypes chosen as ComfyUI's UNETLoader does."""
+def cards(devices: str, load_device) -> list:
+    """The devices the transformer's layers span, ComfyUI's own first (it runs the sampler there and
+    its model manager sees the model there): ``auto``, every CUDA device this process sees (ComfyUI
+    uses one; the others are free for layers), or a list such as ``cuda:0, cuda:1`` or ``0, 1``."""
+    load_device = torch.device(load_device)
+    text = devices.strip().lower()
+    if text in ("", "auto"):
+        if load_device.type != "cuda":
+            return [load_device]
+        first = load_device.index if load_device.index is not None else torch.cuda.current_device()
+        return [torch.device("cuda", first)] + [torch.device("cuda", i) for i in range(torch.cuda.device_count())
+                                                if i != first]
+    named = []
+    for part in text.split(","):
+        name = part.strip()
+        try:
+            named.append(torch.device(f"cuda:{name}" if name.isdigit() else name))
+        except RuntimeError:
+            raise ZImageError(f"devices: {part.strip()!r} is not a device; write auto, or cards such as "
+                              "cuda:0, cuda:1 (or 0, 1).") from None
+    if load_device.type == "cuda" and load_device.index is None:
+        load_device = torch.device("cuda", torch.cuda.current_device())
+    if load_device not in named:
+        raise ZImageError(f"devices {devices!r} leaves out {load_device}, where ComfyUI runs the sampler and "
+                          f"the other models: name it too (it comes first), or write auto.")
+    return [load_device] + [d for d in named if d != load_device]
+
+
+def load_model(path, weight_dtype="default", settings: Settings = Settings(), devices: str = "auto"):
+    """A Z-Image MODEL backed by the streaming core; dtypes chosen as ComfyUI's UNETLoader does. Its
+    layers span ``devices`` (``cards``)."""
     load_device = mm.get_torch_device()
+    spans = cards(devices, load_device)
     offload_device = mm.unet_offload_device()
     ck = Checkpoint(path)  # header only: config, parameter count and storage dtype
     # a GGUF's blocks have no dtype of their own: the compute dtype is ComfyUI's pick for the device
@@ -183,7 +215,8 @@ def load_model(path, weight_dtype="default", settings: Settings = Settings()):
     storage_name = {v: k for k, v in STORAGE_DTYPES.items()}[storage]
     plan_host_budget(load_device)
     # an interrupt is seen between blocks (and, on the CPU, between pieces of one), not only between steps
-    t = ZImageTransformer.load(path, device=load_device, dtype=_DTYPE_NAMES[compute], weight_dtype=storage_name,
+    t = ZImageTransformer.load(path, device=spans if len(spans) > 1 else load_device, dtype=_DTYPE_NAMES[compute],
+                               weight_dtype=storage_name,
                                settings=settings, initial_device=offload_device,
                                check_interrupt=mm.throw_exception_if_processing_interrupted, attention=comfy_attention)
     # the fused LoRA patch's check compiles what a LoRA will launch, beside the first image (not in

@@ -46,6 +46,11 @@ class ZImageModelLoader(io.ComfyNode):
                 io.Float.Input("leave_free_gb", default=DEFAULT_LEAVE_FREE, min=0.0, max=MAX_LEAVE_FREE, step=0.5,
                                tooltip="Used only with vram = leave_free_gb: GiB of GPU memory the plan leaves "
                                        "untouched, for other programs or models."),
+                io.String.Input("devices", default="auto", optional=True,
+                                tooltip="The GPUs the transformer's layers may use. auto: ComfyUI's GPU, and every "
+                                        "other GPU of this machine where the first cannot hold all the layers "
+                                        "(each card streams its own layers over its own link). Or a list such "
+                                        "as cuda:0, cuda:1 (ComfyUI's GPU comes first)."),
             ],
             outputs=[io.Model.Output()],
             hidden=[io.Hidden.unique_id],
@@ -59,14 +64,14 @@ class ZImageModelLoader(io.ComfyNode):
         return ui.fingerprint(unet_name)
 
     @classmethod
-    def execute(cls, unet_name, weight_dtype, vram, resident_layers, leave_free_gb):
+    def execute(cls, unet_name, weight_dtype, vram, resident_layers, leave_free_gb, devices="auto"):
         number("leave_free_gb", leave_free_gb, 0.0, MAX_LEAVE_FREE, "GiB of GPU memory to leave free; 0 leaves none")
         path = ui.model_path(unet_name)
         env = environment.read()  # a malformed ZIMAGE_* setting stops the prompt here, its first node
         settings = Settings(max_resident=resident_layers if vram == "max_resident_layers" else None,
                                    leave_free=int((leave_free_gb if vram == "leave_free_gb" else 0.0) * (1 << 30)),
                                    compress=env.compression)
-        model = load_model(path, weight_dtype=weight_dtype, settings=settings)
+        model = load_model(path, weight_dtype=weight_dtype, settings=settings, devices=devices)
         text = describe(model, unet_name)
         for name, value, default, mode in (("resident_layers", resident_layers, DEFAULT_RESIDENT, "max_resident_layers"),
                                            ("leave_free_gb", leave_free_gb, DEFAULT_LEAVE_FREE, "leave_free_gb")):

@@ -106,6 +106,32 @@ def test_a_chain_over_two_cards_gives_the_one_card_output(tiny_file):
         m.release()
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_a_transformer_loaded_across_two_cards_gives_the_one_card_output(tiny_file):
+    """Loaded on two cards: the first image cuts the layers across them, each block's norms and
+    adaLN on the card that runs it, each card streaming part of its range from pinned masters; the
+    sampled latent is the one-card latent, bit for bit, and releasing it leaves no pinned memory."""
+    before = host_memory.live_bytes()
+    one = ZImageTransformer.load(tiny_file, device="cuda:0", dtype="bf16")
+    x, _, ctx = inputs(TINY, width=128, height=96)
+    one.prepare(128, 96, resident_layers=TINY.n_blocks)
+    ref = euler_sample(one, x.cuda(0), ctx.cuda(0), steps=3)
+    one.release()
+    m = ZImageTransformer.load(tiny_file, device=["cuda:0", "cuda:1"], dtype="bf16")
+    try:
+        m.prepare(128, 96, resident_layers=2)
+        second = m.placement.ranges[1]
+        assert [s.device.index for s in m.chain.streamers] == [0, 1] and m.chain.n_streamed == TINY.n_blocks - 2
+        assert m.model.layers[-1].adaLN_modulation[0].weight.device == torch.device("cuda:1")
+        assert m.model.final_layer.linear.weight.device == torch.device("cuda:0")
+        assert second.stop == TINY.n_blocks and m.device_bytes("cuda:1") > 0
+        for _ in range(2):
+            assert torch.equal(euler_sample(m, x.cuda(0), ctx.cuda(0), steps=3), ref)
+    finally:
+        m.release()
+    assert host_memory.live_bytes() == before
+
+
 def test_planned_split_uses_free_memory(tiny_file):
     m = ZImageTransformer.load(tiny_file, device="cuda")
     p = m.prepare(256, 256)

@@ -180,6 +180,19 @@ def test_a_transformer_across_two_devices_gives_the_one_device_output(one_card, 
         m.release()
 
 
+def test_a_first_card_that_holds_every_layer_runs_them_alone(one_card, tiny_file):
+    """Spanning cards only adds handoffs where the first card holds every layer: the others stay free."""
+    x, t, ctx = inputs(TINY, seed=7)
+    one_card.prepare(64, 48, 1, resident_layers=TINY.n_blocks)
+    ref = one_card(x, t, ctx)
+    m = _across(tiny_file)
+    try:
+        assert m.devices == (torch.device("cpu"),) and m.placement is None and m.model.runner is m.streamer
+        assert m.streamer.n_resident == TINY.n_blocks and torch.equal(m(x, t, ctx), ref)
+    finally:
+        m.release()
+
+
 def test_patches_and_checks_reach_each_card_by_the_blocks_index_in_the_model(one_card, tiny_file):
     """A patch is made per card for its range (its tensors there) and applied to the block it
     names; a NaN written into a block of the second card before the cut is carried by the cut

@@ -22,13 +22,13 @@ class LayerChain:
 
     def recut(self, streamers: list, ranges: list):
         """Run the layers on these streamers from now on (a transformer cut across its cards once
-        it knows their memory): the old ones are released, and the observers and the patches go
-        to the new ones."""
+        it knows their memory): the old ones stop (their host pool is the new ones'), and the
+        observers and the patches go to the new ones."""
         assert [r.start for r in ranges[1:]] == [r.stop for r in ranges[:-1]] and ranges[0].start == 0
         assert [s.n_layers for s in streamers] == [len(r) for r in ranges]
         for s in self.streamers:
             if s not in streamers:
-                s.release()
+                s.close()
         self.streamers: list[LayerStreamer] = list(streamers)
         self.ranges = list(ranges)
         self.n_layers = ranges[-1].stop

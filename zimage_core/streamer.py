@@ -163,6 +163,12 @@ class LayerStreamer:
     def release(self):
         """Drop every device buffer, host master and staging buffer (pinned memory goes back to
         the OS)."""
+        self.close()
+        self.masters.release()
+
+    def close(self):
+        """Stop the upload thread and drop every device buffer, leaving the host pool as it is (the
+        other streamers of a transformer that spans cards share it)."""
         self.uploads.shutdown()
         self._promoting.clear()
         self.synchronize()
@@ -174,7 +180,6 @@ class LayerStreamer:
         self.drop_queued()
         if self.decode:
             self.decode.drop()
-        self.masters.release()
 
     def synchronize(self):
         """Until every queued upload has reached the device (and the device is idle)."""

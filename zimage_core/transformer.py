@@ -219,7 +219,7 @@ class ZImageTransformer(torch.nn.Module):
     def device_bytes(self, device=None) -> int:
         """What this model holds now on ``device`` (default: the first card, where ComfyUI's model
         manager sees it; of one card, everything on the device)."""
-        device = self.device if device is None else device
+        device = self.device if device is None else device_of(device)
         return self.fixed.device_bytes(device) + self.chain.device_bytes(device)
 
     def activation_bytes(self, size: ImageSize) -> int:
@@ -245,7 +245,7 @@ class ZImageTransformer(torch.nn.Module):
     def free_bytes(self, device=None) -> int:
         """Memory this model could use on ``device`` (default: the first card): what is free plus its
         own layers and slots there. On the CPU: the RAM that is available (the layers are in it already)."""
-        device = self.device if device is None else device
+        device = self.device if device is None else device_of(device)
         if device.type == "cpu":
             avail = available_ram()
             return 1 << 62 if avail is None else avail
@@ -288,6 +288,16 @@ class ZImageTransformer(torch.nn.Module):
         frees = [self.free_bytes(d) for d in self.devices] if free_bytes is None else free_bytes
         limits = plans.Limits(max_resident=self.settings.max_resident, resident=resident_layers,
                               leave_free=self.settings.leave_free, host_room=self._span_host_room())
+        if self.placement is None and resident_layers is None:
+            alone = place(self.cfg, [self.device], frees[:1], width, height, batch, limits, self.storage_dtype,
+                          self.dtype, text_tokens=text_tokens)
+            if alone.fits and not alone.streamed_layers:
+                # the first card holds every layer: the others stay free (a span would only add handoffs)
+                log.info("Z-Image: %s holds every layer; %s left free", self.device,
+                         ", ".join(map(str, self.devices[1:])))
+                self.devices = self.devices[:1]
+                return self.prepare(width, height, batch, free_bytes=None if free_bytes is None else frees[0],
+                                    text_tokens=text_tokens)
         p = place(self.cfg, list(self.devices), frees, width, height, batch, limits, self.storage_dtype, self.dtype,
                   text_tokens=text_tokens, ranges=None if self.placement is None else self.placement.ranges)
         if resident_layers is None and not p.fits:
