@@ -114,6 +114,19 @@ def test_nan_input_refused_by_the_node(comfy_server, node_type, name, value, wor
 
 
 @needs_comfyui
+@pytest.mark.parametrize("devices, words", [
+    ("cuda:7", ["leaves out", "where ComfyUI runs the sampler", "write auto"]),
+    ("banana", ["'banana' is not a device", "cuda:0, cuda:1"]),
+])
+def test_devices_the_loader_cannot_span_are_refused_in_one_line(comfy_server, object_info, devices, words):
+    """The loader's optional devices input (API prompts without it load on ComfyUI's device, as every
+    other test's): a list that leaves out ComfyUI's own device, or names no device, says so."""
+    assert object_info["ZImageModelLoader"]["input"]["optional"]["devices"][1]["default"] == "auto"
+    wf = pack_workflow(prefix="devices", loader={"devices": devices})
+    assert_one_line(failing_run(comfy_server, wf), "ZImageModelLoader", *words)
+
+
+@needs_comfyui
 @pytest.mark.parametrize("value", [INF, -INF])
 def test_infinite_leave_free_gb_refused(comfy_server, value):
     """Infinity is out of range for ComfyUI's own validation: the prompt is refused before it runs."""
