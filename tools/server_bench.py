@@ -30,6 +30,8 @@ its split, plus its encode and decode, and the image's seconds over that floor.
 Simulated machine:
   --card GIB     leave GIB of GPU memory free (tools/ballast.py, needs torch+CUDA in --python);
                  "full" holds nothing. Repeatable or comma separated: --card full,11.5,7.5
+  --gpus N       ballast the first N GPUs alike (two small cards: --gpus 2 --card 7.5; the pack's
+                 loader spans them, auto; --pack-devices cuda:0 keeps it on one)
   --ram-gib G    hold host RAM (tools/ram_ballast.py) so that only G GiB stay available.
   --cache-ram "A B"  ComfyUI's --cache-ram headroom (GB). The values a machine of T GB gets are
                  A = min(10, max(2, T/10)), B = T: a 32 GB machine `3.2 32`, a 16 GB one `2 16`.
@@ -120,7 +122,9 @@ def one_server(a, base, pipeline, card, tag):
         clock.append(("files read", time.monotonic()))
         # the GPU ballast first: its CUDA context takes host RAM that the RAM ballast then accounts for
         if card != "full":
-            procs.append(start_ballast(a, "ballast.py", card, f"{log}.gpu.ready", f"{log}.ballast"))
+            for gpu in range(a.gpus):  # each card the servers see, as small as the others
+                procs.append(start_ballast(a, "ballast.py", card, f"{log}.gpu{gpu}.ready", f"{log}.ballast",
+                                           env=dict(os.environ, CUDA_VISIBLE_DEVICES=str(gpu))))
         if a.ram_gib:
             procs.append(start_ballast(a, "ram_ballast.py", a.ram_gib, f"{log}.ram.ready", f"{log}.ballast"))
         clock.append(("ballasts", time.monotonic()))
@@ -146,6 +150,10 @@ def one_server(a, base, pipeline, card, tag):
         for i, step in enumerate(steps):
             prompt = PROMPTS[i % len(PROMPTS)] + (f", variation {i // len(PROMPTS)}" if i >= len(PROMPTS) else "")
             wf = session_workflow(a, pipeline, step, prompt) if step else WORKFLOWS[pipeline](a, prompt)
+            if a.pack_devices:
+                for n in wf.values():
+                    if n.get("class_type") == "ZImageModelLoader":
+                        n["inputs"]["devices"] = a.pack_devices
             sec = server.run(wf, a.timeout)
             anon, file = rss_gib(server.proc.pid)
             row = dict(image=i + 1, label=step["label"] if step else "", seconds=round(sec, 3),
@@ -219,6 +227,10 @@ def main(argv=None):
     ap.add_argument("--pipelines", default="pack,official", help="comma separated: pack, official, gguf")
     ap.add_argument("--gguf-nodes", help="a checkout of city96/ComfyUI-GGUF (the gguf pipeline's loader)")
     ap.add_argument("--card", action="append", help='GiB of GPU memory left free, or "full" (repeatable, commas)')
+    ap.add_argument("--gpus", type=int, default=1,
+                    help="with --card, ballast this many GPUs (cuda:0 ...), each left --card GiB free")
+    ap.add_argument("--pack-devices", help='the pack loader\'s devices input (default: its own, "auto"), '
+                                           'e.g. cuda:0 for the pack on one of --gpus cards')
     ap.add_argument("--ram-gib", type=float, help="hold host RAM so that only this many GiB are available")
     ap.add_argument("--machine-gib", type=float, help="nominal RAM of the simulated machine (for --cache-ram)")
     ap.add_argument("--cache-ram", help='ComfyUI --cache-ram values, e.g. "3.2 32" (32 GB) or "2 16" (16 GB)')

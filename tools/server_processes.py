@@ -85,9 +85,9 @@ def tail(path, n=40):
         return "".join(f.readlines()[-n:])
 
 
-def start_ballast(a, script, leave_gib, flag, log, timeout=600):
+def start_ballast(a, script, leave_gib, flag, log, timeout=600, env=None):
     """Start tools/<script> holding all but leave_gib, and wait for its flag file (memory held)."""
-    proc = spawn([a.python, os.path.join(HERE, script), "--leave-gib", str(leave_gib), "--flag", flag], log)
+    proc = spawn([a.python, os.path.join(HERE, script), "--leave-gib", str(leave_gib), "--flag", flag], log, env=env)
     end = time.monotonic() + timeout
     while not os.path.exists(flag):
         if proc.poll() is not None or time.monotonic() > end:

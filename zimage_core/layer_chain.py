@@ -1,5 +1,7 @@
-"""A forward's layers run by several devices in turn: the runner of a transformer that spans
-cards (``placement``). Each device's consecutive range of blocks is a ``LayerStreamer`` of its
+"""A transformer's layer store: its streamers, one (every block) or one per card of a transformer
+that spans cards (``placement``), and the runner of a forward's layers by several devices in turn.
+Patches and observers are told blocks by their index in the model; each card's streamer counts
+its own from 0. Each device's consecutive range of blocks is a ``LayerStreamer`` of its
 own, over that device's slots, copy stream and upload thread, so every card uploads the layers it
 runs over its own link, and they do so at once: a forward's start queues every card's first
 uploads, and a card's last layers queue its first ones of the next forward, which then run while

@@ -6,7 +6,9 @@ nothing), places the fixed part on the device, and is then called exactly like C
 ``NextDiT``. The first forward of an image size plans the split for the free memory (promoting
 layers when memory came back, evicting when it went), and an out-of-memory error during a forward
 evicts one more layer and runs the forward again. Its weights by key (weight patches) are
-``weights``; what another model's loading asks of it is ``evict`` and ``restore_split``.
+``weights``; what another model's loading asks of it is ``evict`` and ``restore_split``. Loaded on
+a list of devices, its first image cuts the layers across the cards (``placement``) where the
+first cannot hold them all; its layers are a ``LayerChain`` either way.
 """
 from __future__ import annotations
 
