@@ -119,11 +119,20 @@ def test_nan_input_refused_by_the_node(comfy_server, node_type, name, value, wor
     ("banana", ["'banana' is not a device", "cuda:0, cuda:1"]),
 ])
 def test_devices_the_loader_cannot_span_are_refused_in_one_line(comfy_server, object_info, devices, words):
-    """The loader's optional devices input (API prompts without it load on ComfyUI's device, as every
-    other test's): a list that leaves out ComfyUI's own device, or names no device, says so."""
+    """The loader's optional devices input: a list that leaves out ComfyUI's own device, or names
+    no device, says so."""
     assert object_info["ZImageModelLoader"]["input"]["optional"]["devices"][1]["default"] == "auto"
     wf = pack_workflow(prefix="devices", loader={"devices": devices})
     assert_one_line(failing_run(comfy_server, wf), "ZImageModelLoader", *words)
+
+
+@needs_comfyui
+def test_an_api_prompt_without_devices_runs(comfy_server):
+    """API prompts written before the loader had a devices input still run (on ComfyUI's card)."""
+    wf = pack_workflow(prefix="no_devices", seed=5)
+    del wf[node_of(wf, "ZImageModelLoader")]["inputs"]["devices"]
+    entry = comfy_server.run(wf)
+    assert "execution_error" not in messages(entry), messages(entry)
 
 
 @needs_comfyui
