@@ -53,14 +53,14 @@ def full_size_base_dir(tmp_path_factory):
 
 
 @contextlib.contextmanager
-def simulated_card(gib, folder):
-    """Another process holds the GPU's memory but ``gib`` GiB ("full": nothing held)."""
+def simulated_card(gib, folder, gpu=0):
+    """Another process holds GPU ``gpu``'s memory but ``gib`` GiB ("full": nothing held)."""
     if gib == "full":
         yield
         return
-    flag = os.path.join(folder, f"ballast-{gib}.ready")
+    flag = os.path.join(folder, f"ballast-{gpu}-{gib}.ready")
     proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "tools", "ballast.py"), "--leave-gib", gib,
-                             "--flag", flag])
+                             "--flag", flag], env=dict(os.environ, CUDA_VISIBLE_DEVICES=str(gpu)))
     try:
         end = time.monotonic() + 120
         while not os.path.exists(flag):
@@ -90,6 +90,27 @@ def test_the_same_images_on_every_card(full_size_base_dir):
                 stop_server(client)
         print(f"card {card}: {len(by_card[card])} images in {time.monotonic() - start:.0f} s: {by_card[card]}", flush=True)
     print(f"\nComfyUI {comfyui_version()} on the GPU, pixel hashes by card (GiB free):\n{table(by_card)}")
+    assert not differences(by_card), differences(by_card)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_two_small_cards_make_the_one_card_images(full_size_base_dir):
+    """The loader's devices (auto) spans two 5.5 GiB cards, neither of which holds the model: every
+    image of the session is the whole first card's image, bit for bit."""
+    by_card = {}
+    for cards in (("full",), ("5.5", "5.5")):
+        with contextlib.ExitStack() as held:
+            for gpu, gib in enumerate(cards):
+                held.enter_context(simulated_card(gib, full_size_base_dir, gpu))
+            name = "+".join(cards)
+            client = start_server(full_size_base_dir, server_flags(), cpu=False, log_name=f"comfyui-cards-{name}.log")
+            try:
+                by_card[name] = run_session(client, session(1024, (1344, 768), 8, {}, f"cards{name}"))
+                if len(cards) > 1:
+                    assert "on the GPUs: cuda:0 layers" in client.log_text()  # the layers spanned both cards
+            finally:
+                stop_server(client)
+    print(f"\nComfyUI {comfyui_version()}, one card and two, pixel hashes:\n{table(by_card)}")
     assert not differences(by_card), differences(by_card)
 
 

@@ -288,11 +288,16 @@ class ZImageTransformer(torch.nn.Module):
         """``prepare`` over several cards (``free_bytes``: a list, one per card): the first image
         cuts the layers across them (``placement``), later ones plan each card's range again."""
         frees = [self.free_bytes(d) for d in self.devices] if free_bytes is None else free_bytes
+        # the balance of compute and bus measured on the first card (the cards are of one kind), as
+        # one card's plan measures it: it picks the cut, the slots and the layers worth pinning
+        ratio, file_copy, upload_s = self.planner.calibration.ratios(self.cfg.image_tokens(width, height) * batch,
+                                                                     self._evict_one)
+        measured = dict(compute_copy_ratio=ratio, file_copy=file_copy, upload_s=upload_s, text_tokens=text_tokens)
         limits = plans.Limits(max_resident=self.settings.max_resident, resident=resident_layers,
                               leave_free=self.settings.leave_free, host_room=self._span_host_room())
         if self.placement is None and resident_layers is None:
             alone = place(self.cfg, [self.device], frees[:1], width, height, batch, limits, self.storage_dtype,
-                          self.dtype, text_tokens=text_tokens)
+                          self.dtype, **measured)
             if alone.fits and not alone.streamed_layers:
                 # the first card holds every layer: the others stay free (a span would only add handoffs)
                 log.info("Z-Image: %s holds every layer; %s left free", self.device,
@@ -301,7 +306,7 @@ class ZImageTransformer(torch.nn.Module):
                 return self.prepare(width, height, batch, free_bytes=None if free_bytes is None else frees[0],
                                     text_tokens=text_tokens)
         p = place(self.cfg, list(self.devices), frees, width, height, batch, limits, self.storage_dtype, self.dtype,
-                  text_tokens=text_tokens, ranges=None if self.placement is None else self.placement.ranges)
+                  ranges=None if self.placement is None else self.placement.ranges, **measured)
         if resident_layers is None and not p.fits:
             raise OutOfDeviceMemory(p.summary())
         if self.placement is None:
