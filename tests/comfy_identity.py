@@ -59,15 +59,15 @@ def ksampler_workflow(prompt, width, height, steps, loader, prefix):
 
 def session(size, wide, steps, loader, tag, prompts=4):
     """[(name, workflow)] in the order a user might make them: ``prompts`` prompts, each prompt's
-    variations after it (so that a CPU's slow text encode runs once per prompt), and the first
-    prompt again at the end."""
+    variations after it, those with the plain text encoder first (ComfyUI reuses the last prompt's
+    conditioning: a CPU's text encode takes seconds), and the first prompt again at the end."""
     kw = dict(steps=steps, loader=loader)
     p0, p1 = PROMPTS[0], PROMPTS[1]
     jobs = [("prompt 0", pack_workflow(p0, size, size, prefix=f"{tag}_p0", **kw)),
             ("LoRA", lora_workflow(LORA, 1.0, prompt=p0, width=size, height=size, prefix=f"{tag}_lora", **kw)),
+            (f"{wide[0]}x{wide[1]}", pack_workflow(p0, *wide, prefix=f"{tag}_wide", **kw)),
             ("text encoder LoRA", clip_lora_workflow(TE_LORA, prompt=p0, width=size, height=size,
                                                      prefix=f"{tag}_te_lora", **kw)),
-            (f"{wide[0]}x{wide[1]}", pack_workflow(p0, *wide, prefix=f"{tag}_wide", **kw)),
             ("prompt 1", pack_workflow(p1, size, size, prefix=f"{tag}_p1", **kw)),
             ("batch 2", pack_workflow(p1, size, size, prefix=f"{tag}_b2", batch_size=2, **kw)),
             ("cfg 2, negative, KSampler", ksampler_workflow(p1, size, size, steps, loader, f"{tag}_cfg2"))]
