@@ -59,6 +59,7 @@ def sample(model, positive, negative, size: ImageSize, seed, steps, cfg, shift, 
         noise = comfy.sample.prepare_noise(latent, seed)
         preview = latent_preview.prepare_callback(model, steps)
         ticks = [time.perf_counter()]
+        file_uploads = None if transformer is None else transformer.file_uploads
 
         def callback(*args):  # ComfyUI's previews and progress, and when each step ended
             ticks.append(time.perf_counter())
@@ -68,7 +69,9 @@ def sample(model, positive, negative, size: ImageSize, seed, steps, cfg, shift, 
                                   denoise=1.0, sigmas=shifted_sigmas(model, scheduler, steps, shift),
                                   callback=callback, disable_pbar=not comfy.utils.PROGRESS_BAR_ENABLED, seed=seed)
         if len(ticks) > 2:
-            log.debug("Z-Image: sampled %d steps in %.2f s (the first %.2f s, with loading; then %.3f s a step)",
+            log.debug("Z-Image: sampled %d steps in %.2f s (the first %.2f s, with loading; then %.3f s a step)%s",
                       len(ticks) - 1, time.perf_counter() - ticks[0], ticks[1] - ticks[0],
-                      statistics.median(b - a for a, b in zip(ticks[1:], ticks[2:])))
+                      statistics.median(b - a for a, b in zip(ticks[1:], ticks[2:])),
+                      "" if file_uploads is None else
+                      f"; {transformer.file_uploads - file_uploads} layer uploads read the checkpoint")
         return out

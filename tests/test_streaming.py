@@ -396,6 +396,25 @@ def test_streamed_layers_the_plan_leaves_in_the_file_get_no_master(tiny_file):
     m.release()
 
 
+def test_file_uploads_count_the_layers_read_from_the_checkpoint(tiny_file):
+    """``file_uploads``: every upload that read the file (a resident layer's promotion, a streamed
+    layer without a master, a master's making), none that came from a master."""
+    x, t, ctx = inputs(TINY)
+    m = ZImageTransformer.load(tiny_file, device="cpu", dtype="fp32")
+    n, s = TINY.n_blocks, m.streamer
+    m.prepare(64, 48, resident_layers=n)
+    ref = m(x, t, ctx)
+    assert m.file_uploads == n  # each resident layer read once, nothing since
+    s.configure(0, 2, masters=frozenset({0, 3}))
+    assert torch.equal(m(x, t, ctx), ref)
+    s.synchronize()
+    assert m.file_uploads == 2 * n  # two masters made from the file, the other layers read from it
+    assert torch.equal(m(x, t, ctx), ref)
+    s.synchronize()
+    assert m.file_uploads == 3 * n - 2  # the two masters read nothing
+    m.release()
+
+
 @pytest.mark.parametrize("small_chunks", [False, True])
 def test_compressed_masters_stream_the_same_bits_at_every_split(tiny_file, monkeypatch, small_chunks):
     """With ``compress`` the streamed layers' masters are stored compressed (0.75-0.78 of their bytes)

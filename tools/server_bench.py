@@ -23,8 +23,9 @@ new prompt text each, so the text encoder runs every time), stop the server, sto
 Time per image is the executor's own, from the history entry's execution_start to
 execution_success. Each server's log is kept, every line stamped with the seconds since the server
 started; its path is printed. With --server-arg=--verbose --server-arg=DEBUG each image's row also
-says where the pack's time went (encode, sample, decode, split set), how much it evicted to make
-room for the other models, and the image's floor: its steps at the bound the planner simulated for
+says where the pack's time went (encode, sample and its first step, decode, split set), how many
+of the sample's layer uploads read the checkpoint rather than a master (layers coming back from the
+page cache), how much it evicted to make room for the other models, and the image's floor: its steps at the bound the planner simulated for
 its split, plus its encode and decode, and the image's seconds over that floor.
 
 Simulated machine:
@@ -166,6 +167,7 @@ def one_server(a, base, pipeline, card, tag):
                   f"pins {row['pin_calls']} ({row['pinned_gib']:.1f} GiB)  loads: Z-Image {row['zimage_loads']}, "
                   f"ComfyUI {row['comfy_requested']} requested"
                   + "".join(f"  {k[:-2]} {row[k]:.2f} s" for k in PHASES if k in row)
+                  + (f"  {row['file_uploads']} uploads from the file" if "file_uploads" in row else "")
                   + (f"  evicted {row['evicted_gib']:.2f} GiB" if row["evicted_gib"] else "")
                   + (f"  floor {row['floor_s']:.2f} s ({sec / row['floor_s']:.2f}x)" if "floor_s" in row else ""),
                   flush=True)

@@ -21,10 +21,13 @@ ZLOAD_RE = re.compile(r"Z-Image: loading the transformer")
 PHASES = {"encode_s": re.compile(r"Z-Image: prompt encoded in ([0-9.]+) s"),
           "decode_s": re.compile(r"Z-Image: decoded in ([0-9.]+) s"),
           "sample_s": re.compile(r"Z-Image: sampled \d+ steps in ([0-9.]+) s"),
+          "first_step_s": re.compile(r"Z-Image: sampled .*the first ([0-9.]+) s"),
           "step_s": re.compile(r"Z-Image: sampled .* then ([0-9.]+) s a step"),
           "split_s": re.compile(r"Z-Image: split set in ([0-9.]+) s")}
 # the split's simulated step (the planner's bound for it), the last one set for the image
 BOUND_RE = re.compile(r"Z-Image: split set in .*; its simulated step ([0-9.]+) s")
+# layer uploads of the sample that read the checkpoint rather than a master (layers coming back from the page cache)
+FILE_RE = re.compile(r"Z-Image: sampled .*; (\d+) layer uploads read the checkpoint")
 EVICT_RE = re.compile(r"Z-Image: made room for another model: ([0-9.]+) GiB freed")
 COMFY_LOADS = {"requested": "Requested to load", "completely": "loaded completely", "partially": "loaded partially"}
 GIB = 2**30
@@ -160,6 +163,8 @@ class Server:
         out = dict(pin_calls=len(pins), pinned_gib=sum(pins), zimage_loads=len(ZLOAD_RE.findall(text)),
                    evicted_gib=round(sum(float(g) for g in EVICT_RE.findall(text)), 2))
         out.update({k: round(sum(float(g) for g in r.findall(text)), 3) for k, r in PHASES.items() if r.search(text)})
+        if FILE_RE.search(text):
+            out["file_uploads"] = sum(int(g) for g in FILE_RE.findall(text))
         out.update({f"comfy_{k}": text.count(v) for k, v in COMFY_LOADS.items()})
         bounds = BOUND_RE.findall(text)
         if bounds:

@@ -20,6 +20,7 @@ class LayerChain:
         every block; each streamer counts its blocks from 0)."""
         self._observers, self._make_patch = [], None
         self.streamers, self.ranges = [], []
+        self._closed_uploads = 0  # ``source_uploads`` of the streamers a recut stopped
         self.recut(streamers, ranges)
 
     def recut(self, streamers: list, ranges: list):
@@ -31,6 +32,7 @@ class LayerChain:
         for s in self.streamers:
             if s not in streamers:
                 s.close()
+                self._closed_uploads += s.source_uploads
         self.streamers: list[LayerStreamer] = list(streamers)
         self.ranges = list(ranges)
         self.n_layers = ranges[-1].stop
@@ -51,6 +53,11 @@ class LayerChain:
     @property
     def n_resident(self) -> int:
         return sum(s.n_resident for s in self.streamers)
+
+    @property
+    def source_uploads(self) -> int:
+        """``LayerStreamer.source_uploads`` of every streamer this chain has run."""
+        return self._closed_uploads + sum(s.source_uploads for s in self.streamers)
 
     def device_bytes(self, device=None) -> int:
         """What the streamers hold on their devices (on ``device`` only, where given)."""

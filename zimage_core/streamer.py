@@ -70,6 +70,10 @@ class LayerStreamer:
         self.uploads = UploadThread(self.device, self.copy_stream)  # every upload runs there, in queue order
         self._slot_job = {}                    # slot -> the upload into it that the next layer there waits for
         self._promoting = {}                   # layer -> (its upload, event after it), until the layer runs
+        # uploads so far that read their layer from its source rather than a master (through the
+        # staging ring from the page cache or the disk, or from pages locked in place), a master made
+        # on the way included: what a sample's first step waits for when borrowed layers come back
+        self.source_uploads = 0
 
     @property
     def n_resident(self) -> int:
@@ -199,12 +203,16 @@ class LayerStreamer:
         m = self.masters
         if master and m.wants_master(i):
             self._read_ahead_next(i)
-            if m.make_master(i, dst) and m.codes[i] is not None:
+            made = m.make_master(i, dst)
+            self.source_uploads += made  # its master was read from the source
+            if made and m.codes[i] is not None:
                 return  # encoded from ``dst``, which holds the layer already
         if m.codes[i] is not None:
             return self._decode(i, dst)
         if self.config.quantized and not m.plain(i):  # its blocks, from its master or the file
+            self.source_uploads += m.host[i] is None and m.on_device[i] is None
             return self._dequantize(m.layer_blocks(i), dst)
+        self.source_uploads += m.host[i] is None
         if m.host[i] is not None or self.config.pinned_sources or not (self.cuda or master):
             m.copy_into(i, dst)  # (on the CPU: a resident layer's buffer is its host copy)
         else:

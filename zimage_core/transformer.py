@@ -209,6 +209,12 @@ class ZImageTransformer(torch.nn.Module):
         return self.chain.n_resident
 
     @property
+    def file_uploads(self) -> int:
+        """Layer uploads so far that read the checkpoint (the page cache or the disk) rather than a
+        master: every upload of a layer without one, and each master's making."""
+        return self.chain.source_uploads
+
+    @property
     def partly_loaded(self) -> bool:
         """Some of the model is not on the device now (layers stream, or it is offloaded)."""
         return self.chain.n_streamed > 0 or not self.on_device
