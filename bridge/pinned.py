@@ -20,10 +20,11 @@ log = logging.getLogger("zimage")
 
 class PinnedPatcher(comfy.model_patcher.ModelPatcher):
     """Another model as ComfyUI sees it while the pack runs it from pinned host masters: a model
-    whose size is what it needs on the GPU at least (a streamed text encoder: its final norm and a
-    few layer slots, 0.56 GiB for Qwen3-4B; the VAE: its 168 MB), so making room for it evicts
-    a few transformer layers instead of all of them, and unloading it is free (the masters stay).
-    ``part`` is the ``StreamedStack`` or ``DeviceCopies`` that holds the device buffers."""
+    whose size is what it holds on the GPU between runs at least (a streamed text encoder: its
+    final norm, the slots its layers stream through being a run's memory, asked for as such; the
+    VAE: its 168 MB), so making room for it takes the transformer's slots or a few of its layers
+    instead of all of them, and unloading it is free (the masters stay). ``part`` is the
+    ``StreamedStack`` or ``DeviceCopies`` that holds the device buffers."""
 
     def __init__(self, owner, part):
         super().__init__(owner.model, owner.load_device, owner.offload_device, size=part.loaded_bytes)

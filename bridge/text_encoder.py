@@ -27,8 +27,8 @@ def _streamed_stack(clip, pool):
     if stack.device.type == "cpu":
         log.info("Z-Image: text encoder on the CPU: %d layers in host memory", len(stack.layers))
     else:
-        log.info("Z-Image: text encoder streamed: %d layers through %d slots, %.2f GiB on the GPU",
-                 len(stack.layers), stack.n_slots, stack.loaded_bytes / planner.GiB)
+        log.info("Z-Image: text encoder streamed: %d layers through %d slots, %.2f GiB on the GPU while it runs",
+                 len(stack.layers), stack.n_slots, (stack.loaded_bytes + stack.run_bytes) / planner.GiB)
     return stack
 
 
@@ -114,7 +114,9 @@ def _encode_streamed(streamed, tokens, patcher):
     start = time.perf_counter()
     part = streamed.patcher.part
     patches.apply_to_stack(patcher, part)
-    mm.load_models_gpu([streamed.patcher])  # room first, through the model manager
+    # room first, through the model manager: the slots are the run's memory, not the model's (the
+    # room it keeps free for a run covers them), so its transformer's slots make way, not its layers
+    mm.load_models_gpu([streamed.patcher], memory_required=part.run_bytes)
     with part.running():
         out = streamed.encode_from_tokens_scheduled(tokens)
     part.pool.report("text encoder")

@@ -74,12 +74,16 @@ def test_streamed_stack_equals_whole_model(device, slots):
     if slots < len(enc.layers):
         assert stack.loaded_bytes < sum(p.nbytes for p in enc.parameters())
     assert stack.tables == [enc.embed]  # looked up on the host: neither uploaded nor counted
-    assert stack.loaded_bytes == slots * stack.layout.nbytes + enc.norm.weight.nbytes * 2 + enc.scale.nbytes
-    for _ in range(3):  # the slots are reused across forwards and across runs
+    # between runs only the tensors outside the stack; the slots are a run's working memory
+    assert stack.loaded_bytes == enc.norm.weight.nbytes * 2 + enc.scale.nbytes
+    assert stack.run_bytes == slots * stack.layout.nbytes
+    for _ in range(3):  # the slots are reused across the forwards of a run, and made again for the next
         with stack.running():
             assert enc.embed.weight.device.type == "cpu"
+            assert stack.device_bytes() == stack.loaded_bytes + stack.run_bytes
             assert torch.equal(enc(ids), whole)
             assert torch.equal(enc(ids), whole)
+        assert not stack.streamer.slots
     # between runs the model holds its own values in its own tensors, the only copy in host
     # memory: the layers were uploaded from them, with no masters of their own
     assert same_values(enc, own) and addresses(enc.layers) == where
@@ -108,7 +112,8 @@ def test_a_stack_the_gpu_has_room_for_stays_there_between_runs():
     stack = StreamedStack(enc, "cuda", HostPool(), slots=2, max_resident=1)
     with stack.running():
         assert torch.equal(enc(ids), whole)
-    assert stack.streamer.n_resident == 1 and len(stack.streamer.slots) == 2
+        assert stack.streamer.n_resident == 1 and len(stack.streamer.slots) == 2
+    assert stack.streamer.n_resident == 1 and not stack.streamer.slots  # the resident layer stays
     stack.release()
 
 

@@ -12,9 +12,12 @@ For a run, ``running()`` points the tensors outside the stack at device copies (
 the slot its upload went to just before the layer runs, and back afterwards. Embedding tables
 stay where the model keeps them (host memory): a lookup is a gather, done on the host, and only
 the rows the prompt uses cross the bus (for Qwen3-4B, 0.78 GB that are neither uploaded nor made
-room for). Only the copies and the slots live on the device: for Qwen3-4B 0.56 GiB instead of
-7.5 (or the whole stack, where the GPU has room for it). The kernels are the model's own, on the
-same values, so the output is the output of the model loaded whole.
+room for). Only the copies live on the device between runs, and the slots while a run lasts: for
+Qwen3-4B 0.56 GiB instead of 7.5 (or the whole stack, where the GPU has room for it). The slots
+are a run's working memory, like its activations: they come out of the room a model manager keeps
+free for the work beside every model it loads, not out of room made for the model (``loaded_bytes``).
+The kernels are the model's own, on the same values, so the output is the output of the model
+loaded whole.
 """
 from __future__ import annotations
 
@@ -98,19 +101,28 @@ class StreamedStack:
 
     @property
     def loaded_bytes(self) -> int:
-        """Device bytes while loaded: the tensors outside the stack and the slots."""
-        return self.outside.loaded_bytes + self.n_slots * self.layout.nbytes
+        """Device bytes it holds between runs at least: the tensors outside the stack. A model
+        manager makes room for these; a run's slots (``run_bytes``) come out of the room it keeps
+        free for the work, so that the room made for a prompt's encode takes the transformer's
+        slots, not its resident layers (which would come back from the file at the next step)."""
+        return self.outside.loaded_bytes
+
+    @property
+    def run_bytes(self) -> int:
+        """Device bytes a run takes beside ``loaded_bytes`` while it lasts: the slots."""
+        return self.n_slots * self.layout.nbytes
 
     def device_bytes(self) -> int:
         return self.outside.device_bytes() + self.streamer.device_bytes
 
     def load(self):
-        """Device copies and the layers, resident or through the slots as the planner says
-        (``planner.stack_resident``). ``loaded_bytes`` stays what it needs at least: resident
-        layers take only memory nobody holds, and unloading is free."""
+        """Device copies, and the layers the planner keeps on the device (``planner.stack_resident``):
+        resident layers take only memory nobody holds, and unloading is free."""
         self.outside.load()
-        if not (self.streamer.slots or self.streamer.resident):
-            self.streamer.configure(self._resident_layers(), self.n_slots)
+        if not self.streamer.resident:
+            n = self._resident_layers()
+            if n:
+                self.streamer.configure(n, 0)
 
     def layer_of(self, key):
         """(layer, name) of a key of the root's state dict that names a streamed weight, else None."""
@@ -142,8 +154,12 @@ class StreamedStack:
 
     @contextlib.contextmanager
     def running(self):
-        """Within: the root's forward runs on the device copies and the streamed layers."""
+        """Within: the root's forward runs on the device copies and the streamed layers, through
+        slots made for the run."""
         self.load()
+        s = self.streamer
+        if s.n_streamed:
+            s.configure(s.n_resident, self.n_slots)
         self._running = [{k: m._parameters[n] for k, (m, n) in slots.items()} for slots in self.slots_of]
         hooks = []
         try:
@@ -168,6 +184,8 @@ class StreamedStack:
                 for k, (m, n) in slots.items():
                     m._parameters[n] = own[k]
             self._running = None
+            if s.slots:
+                s.configure(s.n_resident, 0)  # the slots go with the run
 
     def _rows_to_device(self, table, args, rows):
         return rows.to(self.device)
