@@ -171,8 +171,13 @@ def test_blocks_kept_on_the_device_compute_what_streamed_blocks_compute(tmp_path
     assert len(kept) == n - 1 and s.split == (1, 2, n - 1) and s.order[0] not in kept
     assert s.device_bytes == 3 * s.layout.nbytes + sum(s.masters.stored_bytes[i] for i in kept)
     assert s.masters.device_bytes < 0.3 * (n - 1) * s.layout.nbytes  # Q8_0's blocks, not fp32 values
+    read = []
     for _ in range(2):
         assert torch.equal(m(x, t, ctx), expected)
+        s.synchronize()
+        read.append(m.file_uploads)
+    # the file is read once a layer: the resident one's upload, each kept layer's first fill
+    assert read == [n, n]
     assert all(s.masters.host[i] is None for i in kept)  # nothing of theirs in host memory
     s.configure(1, 2, 1)
     assert s.split == (1, 2, 1) and s.masters.device_bytes == s.masters.stored_bytes[s.order[1]]

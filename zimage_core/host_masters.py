@@ -82,6 +82,11 @@ class HostMasters:
         """Layer i has a plain packed master (the layer's values, as a slot holds them)."""
         return self.host[i] is not None and self.codes[i] is None and self.blocks[i] is None
 
+    def reads_source(self, i) -> bool:
+        """An upload of layer i now reads its source: it has no master, and no blocks on the device
+        that an earlier upload filled."""
+        return self.host[i] is None and (self.on_device[i] is None or i in self._unfilled)
+
     def layer_blocks(self, i) -> dict:
         """A quantized layer's matrices as {name: GGUFTensor}, as an upload reads them: kept on the
         device (copied there at the first upload that reads them, on its stream), else

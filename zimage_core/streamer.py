@@ -207,12 +207,11 @@ class LayerStreamer:
             self.source_uploads += made  # its master was read from the source
             if made and m.codes[i] is not None:
                 return  # encoded from ``dst``, which holds the layer already
+        self.source_uploads += m.reads_source(i)
         if m.codes[i] is not None:
             return self._decode(i, dst)
         if self.config.quantized and not m.plain(i):  # its blocks, from its master or the file
-            self.source_uploads += m.host[i] is None and m.on_device[i] is None
             return self._dequantize(m.layer_blocks(i), dst)
-        self.source_uploads += m.host[i] is None
         if m.host[i] is not None or self.config.pinned_sources or not (self.cuda or master):
             m.copy_into(i, dst)  # (on the CPU: a resident layer's buffer is its host copy)
         else:
