@@ -63,8 +63,12 @@ class ZImageModelLoader(io.ComfyNode):
         is loaded again instead of a cached model reading a file that is no longer its own."""
         return ui.fingerprint(unet_name)
 
+    # async only for ComfyUI's order: of the nodes ready to run, it runs an async one first, so the
+    # load, which starts reading the checkpoint's layers from the disk (``read_ahead``), comes at the
+    # prompt's start, before the text encoder's load and encode, rather than after them. Nothing in
+    # it awaits: it runs to its end at once, as a plain node would.
     @classmethod
-    def execute(cls, unet_name, weight_dtype, vram, resident_layers, leave_free_gb, devices="auto"):
+    async def execute(cls, unet_name, weight_dtype, vram, resident_layers, leave_free_gb, devices="auto"):
         number("leave_free_gb", leave_free_gb, 0.0, MAX_LEAVE_FREE, "GiB of GPU memory to leave free; 0 leaves none")
         path = ui.model_path(unet_name)
         env = environment.read()  # a malformed ZIMAGE_* setting stops the prompt here, its first node

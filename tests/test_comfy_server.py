@@ -455,6 +455,19 @@ def test_broken_model_file(comfy_server, comfy_base_dir, kind):
     assert "Traceback" not in msg
 
 
+def test_the_loader_runs_first_so_the_checkpoint_is_read_while_the_prompt_is_encoded(comfy_server):
+    """ComfyUI runs a ready async node before the others: the pack's loader, whose load starts
+    reading the checkpoint's layers (``read_ahead``), runs at the prompt's start, before the text
+    encoder is loaded and the prompt encoded."""
+    start = len(comfy_server.log_text())
+    wf = pack_workflow(prompt="the loader first, then this prompt", prefix="loader_first",
+                       loader={"vram": "leave_free_gb", "leave_free_gb": 0.5})  # a load of its own
+    assert comfy_server.run(wf)["status"]["completed"]
+    log = comfy_server.log_text()[start:]
+    loading, encoding = log.find("Z-Image: loading the transformer"), log.find("Z-Image: encoding the prompt")
+    assert 0 <= loading < encoding, log[-3000:]
+
+
 def test_switching_checkpoints_leaves_one_models_memory(comfy_server, comfy_base_dir):
     """bf16 with a LoRA, fp8, and bf16 with the LoRA again in one server, their layers streamed: the
     bf16 model's memory is gone before the fp8 one plans (where ComfyUI keeps the model cached the

@@ -4,6 +4,7 @@ ComfyUI's key names, optionally behind ``model.diffusion_model.``), read with th
 (a quantized one its blocks, ``quants``) and its shape in torch's order, read when asked."""
 from __future__ import annotations
 
+import functools
 import os
 import warnings
 from dataclasses import dataclass
@@ -12,8 +13,8 @@ import torch
 
 from . import int8_rows, quants
 from .errors import CheckpointError
-from .ram import advise_mapped
-from .safetensors_file import FileChanged
+from .ram import read_mapped
+from .safetensors_file import FileChanged, read_pieces
 
 ARCHITECTURES = ("lumina2",)    # what ComfyUI-GGUF's converter names a Z-Image (Lumina 2 family) file
 PREFIX = "model.diffusion_model."
@@ -165,8 +166,14 @@ class StoredGGUF:
     def read_into(self, out: torch.Tensor, first: int = 0):
         self.file.read_into(self.key, out, first)
 
-    def advise(self):
-        advise_mapped(self.tensor.data)
+    def cache_parts(self) -> list:
+        """Its bytes as reads that bring them into the page cache (``SafetensorsFile.cache_parts``):
+        its pages in the file's mapping faulted in, a piece at a time."""
+        return [(n, functools.partial(self._cache, a, n)) for a, n in read_pieces(self.tensor.data.numel())]
+
+    def _cache(self, start, nbytes, _scratch):
+        self.file.check_unchanged()  # pages past a truncated file's end are not read
+        read_mapped(self.tensor.data.data_ptr() + start, nbytes)
 
     def drop(self):
         pass  # the mapping's pages go when the kernel needs them

@@ -8,8 +8,9 @@ compresses, a bf16 master is stored compressed (``compression``: about 0.75 of t
 decoded on the device at every upload, bit for bit. A layer without a master (resident layers,
 and streamed layers the plan leaves in the page cache or past the budget) is read from its source
 a chunk at a time into a ring of small pinned staging buffers, each read overlapping the upload
-from the other, with the kernel asked to read the next layer's bytes ahead; no weight is held in
-host memory twice. Masters and sources are never written for a weight patch (``streamer``).
+from the other; no weight is held in host memory twice. Before the uploads that read a source,
+threads read its layers into the page cache ahead of them (``read_ahead``), so that the disk does
+not wait for the uploads. Masters and sources are never written for a weight patch (``streamer``).
 """
 from __future__ import annotations
 
@@ -20,8 +21,9 @@ import time
 import torch
 
 from . import compression
-from .host_memory import HostPool
+from .host_memory import BUDGET, HostPool
 from .layout import ALIGN, STAGING_BUFFERS, StreamConfig, staging_bytes, staging_chunk
+from .read_ahead import ReadAhead
 
 def _aligned(nbytes: int) -> int:
     return -(-nbytes // ALIGN) * ALIGN
@@ -60,6 +62,8 @@ class HostMasters:
         self._staging = []                   # [host buffer, event of its last upload or None]
         self.chunk = staging_chunk(self.layout)  # elements per staging buffer
         self._stage_next = 0
+        self._parts = None                   # each layer's reads into the page cache (``read_ahead``)
+        self._ahead = None                   # the reads ahead of the uploads, once started
 
     def plan(self, wanted: frozenset | None = None, compress: bool | None = None):
         """The layers that get a master at their first upload as a streamed layer (None: as before;
@@ -345,13 +349,34 @@ class HostMasters:
                 dst[start:start + n].copy_(part, non_blocking=True)
                 done.record(torch.cuda.current_stream(self.device))
 
-    def read_ahead(self, i):
-        """The OS starts reading layer i's bytes, where it has no master."""
-        if self.host[i] is None:
-            self.layout.advise(self.sources[i])
+    def read_ahead(self, order):
+        """Start reading the layers of ``order`` that an upload will read from their source into
+        the page cache, on threads of their own (``ReadAhead``), where a stream makes masters (the
+        transformer's); where reads are under way already, they follow this order from now on."""
+        if not self.config.masters:
+            return
+        order = [i for i in order if self.reads_source(i)]
+        if self._ahead is not None and self._ahead.running:
+            self._ahead.reorder(order)
+        elif order:
+            if self._parts is None:
+                self._parts = [self.layout.cache_parts(src) for src in self.sources]
+            self._ahead = ReadAhead(self._parts, order, lambda: BUDGET.ram_room("read-ahead") // 2, self)
+
+    def reading(self, i):
+        """An upload reads layer i now (what was read ahead of it is no longer ahead)."""
+        if self._ahead is not None:
+            self._ahead.reading(i)
+
+    def stop_reading(self):
+        """The reads ahead stop (returns once those in flight are done)."""
+        if self._ahead is not None:
+            self._ahead.stop()
 
     def release(self):
-        """Drop every master and staging buffer (pinned memory goes back to the OS)."""
+        """Drop every master and staging buffer (pinned memory goes back to the OS); the reads
+        ahead stop."""
+        self.stop_reading()
         n = len(self.sources)
         self.host, self.codes, self.runs, self.blocks = [None] * n, [None] * n, [None] * n, [None] * n
         self.on_device, self._unfilled = [None] * n, set()

@@ -26,7 +26,7 @@ import weakref
 import torch
 
 from .environment import pinned_cap
-from .ram import advise_mapped, available_ram, cache_headroom, total_ram
+from .ram import available_ram, cache_headroom, total_ram
 
 GiB = 1 << 30
 _lock = threading.RLock()  # the counters; pools allocate from the upload threads and the main one
@@ -277,8 +277,6 @@ class HostPool:
         with _lock:
             if nbytes > self.room():
                 return None
-            for v in views:  # pages not in the page cache are read ahead in large reads, not faulted
-                advise_mapped(v)  # in a page at a time by the registration
             done = []
             for a, b in spans:
                 if torch.cuda.cudart().cudaHostRegister(a, b - a, _REGISTER_READ_ONLY) != 0:

@@ -12,8 +12,8 @@ import torch
 from .config import ZImageConfig
 from .devices import device_of
 from .dit import BigWeights
-from .ram import advise_mapped
-from .safetensors_file import read_many
+from .ram import read_mapped
+from .safetensors_file import read_many, read_pieces
 
 ALIGN = 256  # bytes; every matrix starts on the same alignment in every buffer
 # Uploads without a host master go through a ring of small pinned buffers, a chunk at a time: the
@@ -118,15 +118,19 @@ class PackLayout:
         read_many(stored)
 
     @staticmethod
-    def advise(pieces: dict):
-        """Ask the OS to start reading a layer's bytes from disk now: a file's, or those behind a
-        tensor that maps a file (another model's weights in a memory mapping)."""
-        for parts in pieces.values():
-            for _, t in parts:
-                if isinstance(t, torch.Tensor):
-                    advise_mapped(t)
-                else:
-                    t.advise()
+    def cache_parts(pieces: dict) -> list:
+        """A layer's bytes as reads that bring them into the page cache (``read_ahead``): a file's,
+        or those behind a tensor that maps a file (another model's weights in a memory mapping).
+        [(bytes, read(scratch))] (``SafetensorsFile.cache_parts``)."""
+        parts = []
+        for pieces_of in pieces.values():
+            for _, t in pieces_of:
+                if not isinstance(t, torch.Tensor):
+                    parts += t.cache_parts()
+                elif t.device.type == "cpu":
+                    address, nbytes = t.data_ptr(), t.numel() * t.element_size()
+                    parts += [(n, lambda _, a=address + a, n=n: read_mapped(a, n)) for a, n in read_pieces(nbytes)]
+        return parts
 
     @staticmethod
     def drop(pieces: dict):

@@ -1,14 +1,12 @@
 """The machine's RAM as the pack reads it, on Linux, Windows and other POSIX systems: what is
-available and in all, the headroom ComfyUI's RAM cache keeps, and the kernel asked to read a
-mapped file's pages ahead."""
+available and in all, the headroom ComfyUI's RAM cache keeps, and a file's pages read into the page
+cache or found there."""
 from __future__ import annotations
 
 import ctypes
 import mmap
 import os
 import sys
-
-import torch
 
 GiB = 1 << 30
 MEMINFO = "/proc/meminfo"
@@ -67,21 +65,37 @@ def _windows_memory_status():
     return status
 
 
-_MADV_WILLNEED = 3  # Linux
-_LIBC = ctypes.CDLL(None) if sys.platform.startswith("linux") else None
+# The kernel's read-ahead hints (POSIX_FADV_WILLNEED, MADV_WILLNEED) read at most one read-ahead
+# window a call (128 KiB to a few MiB), whatever range they are given: a layer of hundreds of MB is
+# brought in only by reading it (``read_ahead``).
+_MADV_POPULATE_READ = 22  # Linux 5.14 and later: fault a range's pages in (reading them), in one call
+_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
 
 
-def advise_mapped(t: torch.Tensor):
-    """Ask Linux to start reading the pages behind host tensor ``t`` now, where they map a file that
-    is not in the page cache (another model's weights, memory-mapped by their loader): the copy that
-    follows then does not fault them in a few pages at a time. A no-op for ordinary memory and
-    elsewhere."""
-    if _LIBC is None or t.device.type != "cpu" or not t.numel():
-        return
+def _page_range(address: int, nbytes: int) -> tuple:
     page = mmap.PAGESIZE
-    start = t.data_ptr() // page * page
-    stop = t.data_ptr() + t.numel() * t.element_size()
-    _LIBC.madvise(ctypes.c_void_p(start), ctypes.c_size_t(stop - start), _MADV_WILLNEED)
+    start = address // page * page
+    return start, address + nbytes - start
+
+
+def read_mapped(address: int, nbytes: int):
+    """Read the file pages behind a mapped range into the page cache now (they are mapped too): on
+    Linux 5.14 and later; elsewhere, and for a range past the file's end, nothing."""
+    if _LIBC is not None and nbytes > 0:
+        _LIBC.madvise(ctypes.c_void_p(address // mmap.PAGESIZE * mmap.PAGESIZE),
+                      ctypes.c_size_t(_page_range(address, nbytes)[1]), _MADV_POPULATE_READ)
+
+
+def in_page_cache(address: int, nbytes: int) -> bool:
+    """Every page of a range of a file's mapping is in the page cache (Linux; False elsewhere, or
+    where it cannot be told). Reading the mapping is not needed for this: nothing is faulted in."""
+    if _LIBC is None or nbytes <= 0:
+        return False
+    start, length = _page_range(address, nbytes)
+    vec = (ctypes.c_ubyte * (-(-length // mmap.PAGESIZE)))()
+    if _LIBC.mincore(ctypes.c_void_p(start), ctypes.c_size_t(length), vec) != 0:
+        return False
+    return 0 not in bytes(vec)  # bit 0 of each page's byte: resident
 
 
 def cache_headroom(total: int | None) -> int:

@@ -16,6 +16,7 @@ read (the transformer's fixed part), which the CPU does not read after the lock.
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import json
 import math
 import mmap
@@ -27,6 +28,7 @@ import warnings
 import torch
 
 from .errors import CheckpointError
+from .ram import in_page_cache
 
 DTYPES = {
     "BF16": torch.bfloat16,
@@ -43,11 +45,18 @@ MAX_HEADER = 100 << 20  # the safetensors library's limit
 # A large read is split over a few threads: one thread copying from the page cache reaches about
 # a third of what a machine's memory bandwidth allows (the mapped reads this replaced were copied
 # by torch's own threads). The reads release the GIL.
-_PIECE = 8 << 20
+READ_PIECE = 8 << 20
 _READERS = min(8, os.cpu_count() or 1)
 _pool = None
+
+
 _FIX_FORMAT = "Use a .safetensors export of Z-Image-Turbo (ComfyUI or diffusers layout)."
 _FIX_COPY = "Download or copy the file again."
+
+
+def read_pieces(nbytes: int) -> list:
+    """(start, bytes) of the pieces a read of ``nbytes`` is cut into."""
+    return [(a, min(READ_PIECE, nbytes - a)) for a in range(0, nbytes, READ_PIECE)]
 
 
 class FileChanged(CheckpointError):
@@ -197,13 +206,38 @@ class SafetensorsFile:
             raise CheckpointError(self.path, f"ends inside {key}: it is truncated.", _FIX_COPY)
         return bytes(buf)
 
-    def advise(self, key, advice=getattr(os, "POSIX_FADV_WILLNEED", None)):
-        """Tell the OS about tensor ``key``'s bytes (a no-op where it takes no such hints). The default,
-        WILLNEED: start reading them from disk in the background; DONTNEED: drop them from the page
-        cache (a copy of them is held elsewhere)."""
-        if self._file is not None and advice is not None:
-            start, stop = self.entries[key]["data_offsets"]
-            os.posix_fadvise(self._file.fileno(), self._base + start, stop - start, advice)
+    def _span(self, key) -> tuple:
+        """(offset in the file, bytes) of tensor ``key``."""
+        start, stop = self.entries[key]["data_offsets"]
+        return self._base + start, stop - start
+
+    def cache_parts(self, key) -> list:
+        """Tensor ``key``'s bytes as reads that bring them into the page cache (``read_ahead``):
+        [(bytes, read(scratch))], each of at most ``READ_PIECE`` bytes, read into ``scratch`` (a
+        bytearray of ``READ_PIECE``) and skipped where its pages are cached already."""
+        offset, nbytes = self._span(key)
+        return [(n, functools.partial(self._cache, offset + a, n)) for a, n in read_pieces(nbytes)]
+
+    def _cache(self, offset, nbytes, scratch):
+        if self._file is None:
+            return
+        if not in_page_cache(self._mapping().data_ptr() + offset, nbytes):
+            self._pread_one(memoryview(scratch)[:nbytes], offset)
+
+    def drop(self, key):
+        """Tensor ``key``'s bytes leave the page cache (a copy of them is held elsewhere); a no-op
+        where the OS takes no such hint."""
+        if self._file is not None and hasattr(os, "POSIX_FADV_DONTNEED"):
+            os.posix_fadvise(self._file.fileno(), *self._span(key), os.POSIX_FADV_DONTNEED)
+
+    def _mapping(self) -> torch.Tensor:
+        """The whole file, mapped read-only (mapping reads nothing)."""
+        if self._map is None:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # torch warns that the buffer is not writable: by design
+                self._map = torch.frombuffer(mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ),
+                                             dtype=torch.uint8)
+        return self._map
 
     def mapped(self, key) -> torch.Tensor | None:
         """Tensor ``key`` as a read-only view of the file's pages (no copy, no read yet), or None where
@@ -213,12 +247,7 @@ class SafetensorsFile:
         dtype = self.dtype(key)
         if (self._base + start) % dtype.itemsize:
             return None
-        if self._map is None:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # torch warns that the buffer is not writable: by design
-                self._map = torch.frombuffer(mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ),
-                                             dtype=torch.uint8)
-        return self._map[self._base + start:self._base + stop].view(dtype).view(self.shape(key))
+        return self._mapping()[self._base + start:self._base + stop].view(dtype).view(self.shape(key))
 
     def stored(self, key) -> "StoredTensor":
         return StoredTensor(self, key)
@@ -260,7 +289,7 @@ def read_many(items):
         stop = min(stop, start + target.numel() * dtype.itemsize)
         f.check_unchanged()
         view = memoryview(target.view(-1).view(torch.uint8).numpy()) if target.numel() else memoryview(b"")
-        jobs += [(f, view[a:a + _PIECE], f._base + start + a, key) for a in range(0, stop - start, _PIECE)]
+        jobs += [(f, view[a:a + n], f._base + start + a, key) for a, n in read_pieces(stop - start)]
     if len(jobs) > 1 and _READERS > 1 and hasattr(os, "preadv"):
         if _pool is None:
             _pool = concurrent.futures.ThreadPoolExecutor(_READERS, thread_name_prefix="zimage-read")
@@ -285,10 +314,10 @@ class StoredTensor:
     def read_into(self, out: torch.Tensor):
         self.file.read_into(self.key, out)
 
-    def advise(self):
-        self.file.advise(self.key)
+    def cache_parts(self) -> list:
+        return self.file.cache_parts(self.key)
 
     def drop(self):
         """Its bytes leave the page cache: a pinned master holds them, and the RAM is better spent on
         bytes that are read again (the text encoder's, the resident layers')."""
-        self.file.advise(self.key, getattr(os, "POSIX_FADV_DONTNEED", None))
+        self.file.drop(self.key)

@@ -121,6 +121,9 @@ class LayerStreamer:
         self.streamed = [i for i in range(self.n_layers) if i not in keep]
         self._index = {i: j for j, i in enumerate(self.streamed)}
         self.drop_queued()
+        # the order the uploads read their layers in: the new resident ones (queued below), then
+        # the streamed ones as the next forward reaches them
+        self.masters.read_ahead(sorted(keep - self.resident.keys()) + self.streamed)
         while len(self.slots) < n_slots:
             self.slots.append(self._empty())
             if self.cuda:
@@ -136,7 +139,6 @@ class LayerStreamer:
         if not self.cuda and m.plain(i):
             self.resident[i] = m.host[i]
             return
-        m.read_ahead(i)
         buf = self._empty() if buf is None else buf
         self.resident[i] = buf
         self._promoting[i] = self._promote(i, buf)
@@ -172,7 +174,8 @@ class LayerStreamer:
 
     def close(self):
         """Stop the upload thread and drop every device buffer, leaving the host pool as it is (the
-        other streamers of a transformer that spans cards share it)."""
+        other streamers of a transformer that spans cards share it); the reads ahead stop."""
+        self.masters.stop_reading()
         self.uploads.shutdown()
         self._promoting.clear()
         self.synchronize()
@@ -201,8 +204,8 @@ class LayerStreamer:
         ``master`` (a streamed layer) the layer first gets a master where the plan gives it one
         and the pool has room."""
         m = self.masters
+        m.reading(i)
         if master and m.wants_master(i):
-            self._read_ahead_next(i)
             made = m.make_master(i, dst)
             self.source_uploads += made  # its master was read from the source
             if made and m.codes[i] is not None:
@@ -233,13 +236,6 @@ class LayerStreamer:
             dequantize_into(blocks, self.layout, dst)
             return
         return self.decode.dequantize(blocks, self.layout, dst)
-
-    def _read_ahead_next(self, i):
-        """While layer i gets its master (the first forward), the OS reads the next streamed layer
-        from the disk, so the reads go on while layer i is pinned and encoded."""
-        j = self._index.get(i)
-        if j is not None and j + 1 < len(self.streamed):
-            self.masters.read_ahead(self.streamed[j + 1])
 
     # -- running ---------------------------------------------------------------------------
 
@@ -278,7 +274,6 @@ class LayerStreamer:
         next one's) into its slot."""
         self._prefetch(self.streamed[(pos - self._base) % self.n_streamed], pos % len(self.slots))
         self._queued = pos + 1
-        self.masters.read_ahead(self.streamed[(pos + 1 - self._base) % self.n_streamed])
 
     def prefetch_first(self):
         """Start the uploads of the first streamed layers that are not queued yet; they overlap

@@ -96,6 +96,15 @@ def check_devices(devices: list) -> tuple:
 _LOADED: "weakref.WeakSet[ZImageTransformer]" = weakref.WeakSet()
 
 
+def _unload(streamer, pool, ckpt):
+    """What a load that failed had made goes: the reads ahead, the pinned buffers, the file."""
+    if streamer is not None:
+        streamer.masters.stop_reading()
+    if pool is not None:
+        pool.release_all()
+    ckpt.close()
+
+
 class ZImageTransformer(torch.nn.Module):
     def __init__(self, model: ZImageDiT, streamer: LayerStreamer, ckpt: Checkpoint, fixed: DeviceCopies,
                  settings: Settings, check_interrupt=None, devices: tuple = ()):
@@ -142,7 +151,7 @@ class ZImageTransformer(torch.nn.Module):
         devices = check_devices(device if isinstance(device, (list, tuple)) else [device])
         log.info("Z-Image: loading the transformer from %s", path)
         ckpt = Checkpoint(path)
-        pool = None
+        pool = streamer = None
         try:
             if weight_dtype in (None, "default"):
                 storage = ckpt.storage_dtype if ckpt.storage_dtype == torch.float8_e4m3fn else compute
@@ -172,6 +181,9 @@ class ZImageTransformer(torch.nn.Module):
             # while it computes, from one host master per dtype
             fixed = DeviceCopies(module_tensors(model), dev, pool)
             t = cls(model, streamer, ckpt, fixed, settings, check_interrupt, devices)
+            # the first image's reads begin now, in the order its forward runs the layers (the split
+            # it plans sets the order its uploads follow), while ComfyUI loads and runs the text encoder
+            streamer.masters.read_ahead(range(streamer.n_layers))
             quant_types = {p.tensor.type_name for src in sources for parts in src.values() for _, p in parts} \
                 if config.quantized else ()
             for d in devices:
@@ -181,16 +193,12 @@ class ZImageTransformer(torch.nn.Module):
             _LOADED.add(t)
             return t
         except torch.OutOfMemoryError:
-            if pool is not None:
-                pool.release_all()
-            ckpt.close()
+            _unload(streamer, pool, ckpt)
             raise OutOfDeviceMemory(f"{ckpt.path}: the fixed part of the transformer (embedders, "
                                     "norms) does not fit on the GPU. Free GPU memory (close other programs) "
                                     "and try again.") from None
         except BaseException:
-            if pool is not None:
-                pool.release_all()
-            ckpt.close()
+            _unload(streamer, pool, ckpt)
             raise
 
     # -- memory ------------------------------------------------------------------------------
