@@ -35,17 +35,22 @@ def _layer_cached(masters, i) -> bool:
     return True
 
 
-@pytest.fixture
-def cold_file(tmp_path):
-    """A checkpoint whose pages are not in the page cache (written, flushed, dropped)."""
-    path = str(tmp_path / "cold.safetensors")
-    write_checkpoint(path, TINY, dtype=torch.float32, seed=3)
+def _drop(path):
+    """``path``'s pages leave the page cache (written out first)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
+
+
+@pytest.fixture
+def cold_file(tmp_path):
+    """A checkpoint whose pages are not in the page cache (written, flushed, dropped)."""
+    path = str(tmp_path / "cold.safetensors")
+    write_checkpoint(path, TINY, dtype=torch.float32, seed=3)
+    _drop(path)
     from zimage_core.checkpoint import Checkpoint
     ckpt = Checkpoint(path)
     f = ckpt.files[0]
@@ -54,6 +59,27 @@ def cold_file(tmp_path):
         pytest.skip("this file system keeps a file's pages in memory (tmpfs): nothing to read ahead")
     ckpt.close()
     return path
+
+
+def test_a_gguf_layer_is_read_into_the_page_cache_through_its_mapping(cold_file, tmp_path):
+    """A GGUF's layers are views of the file's mapping: their reads fault them in (where the kernel
+    can: ``MADV_POPULATE_READ``, Linux 5.14)."""
+    pytest.importorskip("gguf")
+    from tools.gguf_weights import write_gguf
+    from zimage_core.checkpoint import Checkpoint
+    from zimage_core.layout import PackLayout
+    from zimage_core.transformer import layer_pieces
+    path = str(write_gguf(cold_file, tmp_path / "cold.gguf"))
+    ckpt = Checkpoint(path)
+    _drop(path)  # after the open: its reads of the header read the small file's layers ahead too
+    names = TINY.block_names()
+    pieces = layer_pieces(ckpt, f"{names[len(names) // 2]}.")
+    data = [p.tensor.data for parts in pieces.values() for _, p in parts]
+    if any(ram.in_page_cache(d.data_ptr(), d.numel()) for d in data):
+        pytest.skip("the layer's pages stayed in the page cache when dropped")
+    ReadAhead([PackLayout(TINY, torch.float32).cache_parts(pieces)], [0], lambda: 1 << 40, ckpt)
+    assert _until(lambda: all(ram.in_page_cache(d.data_ptr(), d.numel()) for d in data))
+    ckpt.close()
 
 
 def test_a_loaded_model_reads_its_layers_into_the_page_cache_before_any_upload(cold_file):
