@@ -21,7 +21,9 @@ import weakref
 
 from .safetensors_file import READ_PIECE
 
-READERS = 4  # reads in flight: a disk reads a few deep queues faster than one
+# reads in flight: more than one keeps the disk busy while a reader is between pieces (on the disk
+# measured, a virtual one, 1 to 32 readers read alike: 1.2-1.7 GB/s)
+READERS = 4
 
 
 class ReadAhead:

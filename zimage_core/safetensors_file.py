@@ -83,7 +83,7 @@ class SafetensorsFile:
             raise CheckpointError(path, f"cannot be read: {e.strerror or e}.",
                                   "Check that the user ComfyUI runs as may read it (its permissions and owner) "
                                   "and that the disk is healthy.") from None
-        self._lock = threading.Lock()  # seek + read where the OS has no positional read (Windows)
+        self._lock = threading.Lock()  # the mapping's making; seek + read where the OS has no positional read (Windows)
         self._map = None  # the file's bytes, mapped read-only on the first ``mapped``
         try:
             st = os.fstat(self._file.fileno())
@@ -231,13 +231,15 @@ class SafetensorsFile:
             os.posix_fadvise(self._file.fileno(), *self._span(key), os.POSIX_FADV_DONTNEED)
 
     def _mapping(self) -> torch.Tensor:
-        """The whole file, mapped read-only (mapping reads nothing)."""
-        if self._map is None:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # torch warns that the buffer is not writable: by design
-                self._map = torch.frombuffer(mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ),
-                                             dtype=torch.uint8)
-        return self._map
+        """The whole file, mapped read-only (mapping reads nothing); made once, by whichever thread
+        asks first (the reads ahead ask too)."""
+        with self._lock:
+            if self._map is None:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")  # torch warns that the buffer is not writable: by design
+                    self._map = torch.frombuffer(mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ),
+                                                 dtype=torch.uint8)
+            return self._map
 
     def mapped(self, key) -> torch.Tensor | None:
         """Tensor ``key`` as a read-only view of the file's pages (no copy, no read yet), or None where
