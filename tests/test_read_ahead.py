@@ -123,6 +123,7 @@ def test_the_reads_follow_the_order_and_stay_within_their_room():
     ahead.reading(1)
     assert _until(lambda: not ahead.running)
     assert sorted(set(log)) == [0, 1, 3, 4] and log.count(4) == 2
+    assert not ahead.reorder([2])  # over: a new order needs new reads (``HostMasters.read_ahead``)
 
 
 def test_a_read_that_fails_stops_the_reads_without_an_error():

@@ -356,9 +356,9 @@ class HostMasters:
         if not self.config.masters:
             return
         order = [i for i in order if self.reads_source(i)]
-        if self._ahead is not None and self._ahead.running:
-            self._ahead.reorder(order)
-        elif order:
+        if self._ahead is not None and self._ahead.reorder(order):
+            return
+        if order:
             if self._parts is None:
                 self._parts = [self.layout.cache_parts(src) for src in self.sources]
             self._ahead = ReadAhead(self._parts, order, lambda: BUDGET.ram_room("read-ahead") // 2, self)

@@ -82,8 +82,8 @@ def read_mapped(address: int, nbytes: int):
     """Read the file pages behind a mapped range into the page cache now (they are mapped too): on
     Linux 5.14 and later; elsewhere, and for a range past the file's end, nothing."""
     if _LIBC is not None and nbytes > 0:
-        _LIBC.madvise(ctypes.c_void_p(address // mmap.PAGESIZE * mmap.PAGESIZE),
-                      ctypes.c_size_t(_page_range(address, nbytes)[1]), _MADV_POPULATE_READ)
+        start, length = _page_range(address, nbytes)
+        _LIBC.madvise(ctypes.c_void_p(start), ctypes.c_size_t(length), _MADV_POPULATE_READ)
 
 
 def in_page_cache(address: int, nbytes: int) -> bool:

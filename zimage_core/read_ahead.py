@@ -49,11 +49,13 @@ class ReadAhead:
     def running(self) -> bool:
         return any(t.is_alive() for t in self._threads)
 
-    def reorder(self, order):
-        """The layers still to read, in this order from now on."""
+    def reorder(self, order) -> bool:
+        """The layers still to read, in this order from now on; False where the reads have ended
+        (nothing was left, or they stopped): then nobody reads them."""
         with self._cv:
             self._order = list(order)
             self._cv.notify_all()
+            return not self._stopped
 
     def reading(self, i):
         """An upload reads layer i now: what was read ahead of it is no longer ahead, and a layer
@@ -81,6 +83,7 @@ class ReadAhead:
                     return self._pending.pop(0)
                 i = next((i for i in self._order if i not in self._taken), None)
                 if i is None:
+                    self._stopped = True  # the reads are over: a new order needs new reads
                     return None
                 if sum(self._ahead.values()) + self._sizes[i] > self._room():
                     self._cv.wait(1.0)  # an upload reading a layer read ahead makes room; the RAM may too

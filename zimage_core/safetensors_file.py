@@ -48,8 +48,6 @@ MAX_HEADER = 100 << 20  # the safetensors library's limit
 READ_PIECE = 8 << 20
 _READERS = min(8, os.cpu_count() or 1)
 _pool = None
-
-
 _FIX_FORMAT = "Use a .safetensors export of Z-Image-Turbo (ComfyUI or diffusers layout)."
 _FIX_COPY = "Download or copy the file again."
 
