@@ -4,6 +4,7 @@ a CUDA device, in ComfyUI's process:
     python comfy_lora_kernel_check.py COMFYUI_PATH OUT.json
 Writes, for each case, whether the kernel ran and whether its bits are ComfyUI's.
 """
+import itertools
 import json
 import sys
 
@@ -34,12 +35,15 @@ cases = {
     "no alpha, strength -0.37": [(-0.37, None)],
     "two stacked, 0.5 and 1.3": [(0.5, torch.tensor(4.0)), (1.3, torch.tensor(16.0))],
 }
+# Z-Image's matrices: the kernel patches a band of rows at a time, and each band's product must be
+# those rows of ComfyUI's whole product
+shapes = {"w1": (10240, 3840), "w2": (3840, 10240), "qkv": (11520, 3840), "out": (3840, 3840)}
 results = {"lora_dtype": str(mm.lora_compute_dtype(device))}
-for name, loras in cases.items():
+for (name, loras), (matrix, (rows, cols)) in itertools.product(cases.items(), shapes.items()):
     for dtype in (torch.bfloat16, torch.float16):
-        weight = (torch.randn(10240, 3840, generator=g, device=device) * 0.02).to(dtype)
-        entries = [(s, adapter(10240, 3840, 16, a), 1.0, None, None) for s, a in loras]
-        key = "diffusion_model.layers.0.feed_forward.w1.weight"
+        weight = (torch.randn(rows, cols, generator=g, device=device) * 0.02).to(dtype)
+        entries = [(s, adapter(rows, cols, 16, a), 1.0, None, None) for s, a in loras]
+        key = f"diffusion_model.layers.0.{matrix}.weight"
         _, want = patches._patched(entries, weight, key, dtype, 0)
         low_rank = patches.LowRank.of(entries, dtype, dtype, device)
         ran = low_rank is not None and low_rank.runs_on(weight)
@@ -47,7 +51,7 @@ for name, loras in cases.items():
         in_place = weight.clone()
         if ran:
             low_rank(in_place, in_place)
-        results[f"{name}, {dtype}"] = {
+        results[f"{name}, {matrix}, {dtype}"] = {
             "ran": ran,
             "same": ran and torch.equal(into_copy.view(torch.int16), want.view(torch.int16))
             and torch.equal(in_place.view(torch.int16), want.view(torch.int16)),

@@ -25,6 +25,7 @@ import torch
 from .device_check import DeviceCheck, triton_check
 
 BLOCK = 2048  # elements a program writes
+ROWS_BYTES = 64 << 20  # the float32 product of a band of rows (``add_products``)
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -92,16 +93,25 @@ def launches(inter: torch.dtype, dtype: torch.dtype) -> list:
 def add_products(weight: torch.Tensor, terms, out: torch.Tensor, inter: torch.dtype) -> torch.Tensor:
     """``out`` = ``weight`` patched by each of ``terms`` ((up, down, scale): a LoRA's ``up @ down``
     times ``scale``) in turn, as ComfyUI's ``calculate_weight`` does: the sum held in the LoRA dtype
-    ``inter`` between terms (its copy of the weight). ``out`` may be ``weight``."""
-    value = weight
-    for n, (up, down, scale) in enumerate(terms):
-        # calculate_weight's product is float32 (ModelPatcher leaves its intermediate dtype at the
-        # default); the weight's copy, and so the sum, is in the LoRA dtype
-        diff = torch.mm(up.to(weight.device, torch.float32).flatten(start_dim=1),
-                        down.to(weight.device, torch.float32).flatten(start_dim=1))
-        dst = out if n == len(terms) - 1 else torch.empty(weight.shape, dtype=inter, device=weight.device)
-        add_scaled(value, diff.view(weight.shape), scale, dst, inter)
-        value = dst
+    ``inter`` between terms (its copy of the weight). ``out`` may be ``weight``. It runs a band of
+    rows at a time, ``ROWS_BYTES`` of product: the whole float32 product of a w1 is 157 MB, which
+    the plan of an 8 GB card did not have beside an fp8 file's blocks (the first step of a LoRA
+    image ran out of memory three times and evicted a layer each time)."""
+    rows = max(1, ROWS_BYTES // (4 * weight[0].numel()))
+    # calculate_weight's product is float32 (ModelPatcher leaves its intermediate dtype at the
+    # default); the weight's copy, and so the sum, is in the LoRA dtype
+    factors = [(up.to(weight.device, torch.float32).flatten(start_dim=1),
+                down.to(weight.device, torch.float32).flatten(start_dim=1), scale) for up, down, scale in terms]
+    for start in range(0, weight.shape[0], rows):
+        band, dst_band = weight[start:start + rows], out[start:start + rows]
+        value = band
+        for n, (up, down, scale) in enumerate(factors):
+            # a band of rows of the product is that band of ComfyUI's whole product, bit for bit
+            # (each element is one dot product of the rank's terms; checked against ComfyUI's)
+            diff = torch.mm(up[start:start + rows], down)
+            dst = dst_band if n == len(factors) - 1 else torch.empty(band.shape, dtype=inter, device=weight.device)
+            add_scaled(value, diff.view(band.shape), scale, dst, inter)
+            value = dst
     return out
 
 
