@@ -203,33 +203,36 @@ class LayerPatches:
             triton_lora.check_soon(device, inter, dtype)
         self.layers = set(self.by_layer)
         self._unchecked = set(where)  # keys whose first result has not been read back yet
-        self._checks = {}             # key -> (finite, changed): 0-d bools on the device
+        self._checks = {}             # key -> int32 (not finite, changed) on the device
         self._fixed = (fixed_changed, fixed_unchanged)
         self._changed = 0
 
     def apply(self, i, views):
         for matrix, key, entries, held, seed, low_rank in self.by_layer[i]:
             weight = views[matrix] if isinstance(views, dict) else getattr(views, matrix)
-            fused = low_rank is not None and low_rank.runs_on(weight)
-            if fused and key not in self._unchecked:
-                low_rank(weight, weight)  # in place: checked already, nothing to compare with
-                continue
-            if fused:  # into a copy: the check compares it with the weight (no rounding after: held == dtype)
-                out = value = low_rank(weight, torch.empty_like(weight))
+            check = key in self._unchecked
+            if low_rank is not None and low_rank.runs_on(weight):
+                # in place (no rounding after: held == dtype); its first result is checked as the
+                # kernel writes it
+                flags = torch.zeros(2, dtype=torch.int32, device=weight.device) if check else None
+                low_rank(weight, weight, flags)
             else:
                 out, value = _patched(entries, weight, key, held, seed)
-            if key in self._unchecked:
-                self._checks[key] = _checks(out, value, weight)
-            weight.copy_(value)
+                if check:
+                    finite, changed = _checks(out, value, weight)
+                    flags = torch.stack([~finite, changed]).to(torch.int32)
+                weight.copy_(value)
+            if check:
+                self._checks[key] = flags  # (not finite, changed)
 
     def verify(self):
         if not self._checks:
             return
         checks, self._checks = self._checks, {}
-        flags = torch.stack([torch.stack(pair) for pair in checks.values()]).cpu().tolist()
-        for key, (finite, changed) in zip(checks, flags):
+        flags = torch.stack(list(checks.values())).cpu().tolist()
+        for key, (bad, changed) in zip(checks, flags):
             self._unchecked.discard(key)
-            if not finite:
+            if bad:
                 self.forget()  # the next prompt applies its patches anew (and restores the layers)
                 raise PatchError(_blame(self.sources[key], key.removeprefix(PREFIX)))
             self._changed += changed
@@ -292,9 +295,9 @@ class LowRank:
     def runs_on(self, weight) -> bool:
         return weight.is_contiguous() and triton_lora.runs_on(weight.device, self.inter, weight.dtype)
 
-    def __call__(self, weight, out):
-        """``out`` = the patched ``weight`` (``out`` may be ``weight``)."""
-        return triton_lora.add_products(weight, self.terms, out, self.inter)
+    def __call__(self, weight, out, flags=None):
+        """``out`` = the patched ``weight`` (``out`` may be ``weight``); ``flags``: ``add_products``'s."""
+        return triton_lora.add_products(weight, self.terms, out, self.inter, flags)
 
 
 def _tensors(data):

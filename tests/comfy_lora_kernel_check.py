@@ -48,14 +48,29 @@ for (name, loras), (matrix, (rows, cols)) in itertools.product(cases.items(), sh
         low_rank = patches.LowRank.of(entries, dtype, dtype, device)
         ran = low_rank is not None and low_rank.runs_on(weight)
         into_copy = low_rank(weight, torch.empty_like(weight)) if ran else None
-        in_place = weight.clone()
+        in_place, checked = weight.clone(), weight.clone()
+        flags = torch.zeros(2, dtype=torch.int32, device=device)
         if ran:
             low_rank(in_place, in_place)
+            low_rank(checked, checked, flags)  # a first result: checked as it is written
+        bits = want.view(torch.int16) != weight.view(torch.int16)
         results[f"{name}, {matrix}, {dtype}"] = {
             "ran": ran,
-            "same": ran and torch.equal(into_copy.view(torch.int16), want.view(torch.int16))
-            and torch.equal(in_place.view(torch.int16), want.view(torch.int16)),
-            "changed": bool((want != weight).any()),
+            "same": ran and all(torch.equal(t.view(torch.int16), want.view(torch.int16))
+                                for t in (into_copy, in_place, checked)),
+            "changed": bool(bits.any()),
+            "checks": flags.tolist() == [int(not torch.isfinite(want).all()), int(bits.any())],
         }
+# a LoRA that makes a weight overflow: the checked patch says so
+weight = torch.full((64, 3840), 6e4, device=device, dtype=torch.float16)
+entries = [(1.0, adapter(64, 3840, 16, None), 1.0, None, None)]
+entries[0][1].weights[0].fill_(20.0), entries[0][1].weights[1].fill_(20.0)
+flags = torch.zeros(2, dtype=torch.int32, device=device)
+low_rank = patches.LowRank.of(entries, torch.float16, torch.float16, device)
+ran = low_rank is not None and low_rank.runs_on(weight)
+if ran:
+    low_rank(weight, weight, flags)
+results["an overflow to infinity"] = {"ran": ran, "same": True, "changed": True,
+                                      "checks": flags.tolist() == [1, 1]}
 with open(out_path, "w") as f:
     json.dump(results, f, indent=1)

@@ -74,6 +74,9 @@ def recorded_calls(monkeypatch):
             for base, out in triton_lora.launches(inter, dtype):
                 triton_lora.add_scaled(torch.empty(n, dtype=base), torch.empty(n), 0.5,
                                        torch.empty(n, dtype=out), inter)
+                if out == dtype:  # a patch's last launch, checked (a patch's first result)
+                    triton_lora.add_scaled(torch.empty(n, dtype=base), torch.empty(n), 0.5, torch.empty(n, dtype=out),
+                                           inter, torch.empty(n, dtype=out), torch.zeros(2, dtype=torch.int32))
     for name, q in quants.TYPES.items():
         for out in dtypes:
             triton_dequant.dequantize_blocks(torch.empty(4, q.nbytes, dtype=torch.uint8), name,
@@ -119,7 +122,8 @@ def specialization(args, kwargs) -> tuple:
 @pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16))
 def test_the_lora_check_compiles_what_a_patch_launches(inter, dtype, monkeypatch):
     """A LoRA's first image compiles nothing: the fused patch's check, started when a model loads,
-    launches every specialization that one, two and three stacked LoRAs launch on Z-Image's weights."""
+    launches every specialization that one, two and three stacked LoRAs launch on Z-Image's weights,
+    checked (a patch's first result) or not."""
     pytest.importorskip("triton", reason="Triton is not installed (it comes with torch's CUDA builds)")
     kernel = Recorder(None)
     monkeypatch.setattr(triton_lora, "_kernel", lambda: kernel)
@@ -130,6 +134,7 @@ def test_the_lora_check_compiles_what_a_patch_launches(inter, dtype, monkeypatch
         weight = torch.empty(rows, cols, dtype=dtype, device="meta")
         for stacked in (1, 2, 3):
             lora = (torch.empty(rows, 16, device="meta"), torch.empty(16, cols, device="meta"), 0.5)
-            triton_lora.add_products(weight, [lora] * stacked, weight, inter)
+            for flags in (None, torch.empty(2, dtype=torch.int32, device="meta")):  # checked: a first result
+                triton_lora.add_products(weight, [lora] * stacked, weight, inter, flags)
     launched = {specialization(*call) for call in kernel.calls}
     assert launched and launched <= checked, launched - checked

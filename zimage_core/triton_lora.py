@@ -35,12 +35,16 @@ def _kernel():
     import triton.language as tl
 
     @triton.jit
-    def add_scaled(base, diff, out, scale, n, ROUND: tl.constexpr, INTER: tl.constexpr, OUT_F32: tl.constexpr,
-                   BLOCK: tl.constexpr):
+    def add_scaled(base, diff, out, scale, n, orig, flags, ROUND: tl.constexpr, INTER: tl.constexpr,
+                   OUT_F32: tl.constexpr, CHECK: tl.constexpr, BLOCK: tl.constexpr):
         """out = base + scale * diff (``diff`` in float32), the copy of ``base``, the product and the
-        sum each rounded to the LoRA dtype ``INTER`` where it is 16-bit (``ROUND``) as torch's ops round."""
+        sum each rounded to the LoRA dtype ``INTER`` where it is 16-bit (``ROUND``) as torch's ops round.
+        With ``CHECK``: ``flags[0]`` is raised where a value written is not finite, ``flags[1]`` where
+        one differs in its bits from ``orig`` (the weight before the patch, in ``out``'s dtype)."""
         i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = i < n
+        if CHECK:
+            o = tl.load(orig + i, mask=mask, other=0.0)  # before the store: ``orig`` may be ``out``
         b = tl.load(base + i, mask=mask, other=0.0).to(tl.float32)
         p = scale * tl.load(diff + i, mask=mask, other=0.0)
         if ROUND:
@@ -50,9 +54,16 @@ def _kernel():
         else:
             t = b + p
         if OUT_F32:
-            tl.store(out + i, t, mask=mask)
+            v = t
         else:
-            tl.store(out + i, t.to(out.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
+            v = t.to(out.dtype.element_ty, fp_downcast_rounding="rtne")
+        tl.store(out + i, v, mask=mask)
+        if CHECK:
+            bits = tl.int32 if OUT_F32 else tl.int16
+            bad = mask & ~(tl.abs(v.to(tl.float32)) < float("inf"))
+            changed = mask & (v.to(bits, bitcast=True) != o.to(bits, bitcast=True))
+            tl.atomic_max(flags, tl.max(bad.to(tl.int32), axis=0))
+            tl.atomic_max(flags + 1, tl.max(changed.to(tl.int32), axis=0))
 
     return add_scaled
 
@@ -65,15 +76,22 @@ def _tl(dtype: torch.dtype):
     return getattr(tl, str(dtype).removeprefix("torch."))
 
 
-def add_scaled(base: torch.Tensor, diff: torch.Tensor, scale: float, out: torch.Tensor, inter: torch.dtype):
+def add_scaled(base: torch.Tensor, diff: torch.Tensor, scale: float, out: torch.Tensor, inter: torch.dtype,
+               orig: torch.Tensor | None = None, flags: torch.Tensor | None = None):
     """``out`` = torch's ``t = base.to(inter, copy=True); t += (scale * diff).to(inter); t.to(out.dtype)``
     (ComfyUI's LoRA: ``diff`` the float32 product, ``inter`` its LoRA dtype), in one launch on the
     current stream. All three contiguous, of one shape, on one CUDA device; ``out`` may be ``base``
-    (in place); ``scale`` a float32 value (as torch holds a Python scalar or a CPU one)."""
+    (in place); ``scale`` a float32 value (as torch holds a Python scalar or a CPU one). With
+    ``flags`` (int32, two zeros to start): ``flags[0]`` becomes 1 where a value of ``out`` is not
+    finite, ``flags[1]`` where one differs in its bits from ``orig`` (``out``'s shape and dtype; it
+    may be ``out``): a patch's first result is checked as it is written, with no copy to compare."""
     n = out.numel()
     if n:
-        _kernel()[(-(-n // BLOCK),)](base, diff, out, scale, n, ROUND=inter != torch.float32, INTER=_tl(inter),
-                                     OUT_F32=out.dtype == torch.float32, BLOCK=BLOCK, enable_fp_fusion=False)
+        check = flags is not None
+        _kernel()[(-(-n // BLOCK),)](base, diff, out, scale, n, orig if check else out, flags if check else out,
+                                     ROUND=inter != torch.float32, INTER=_tl(inter),
+                                     OUT_F32=out.dtype == torch.float32, CHECK=check, BLOCK=BLOCK,
+                                     enable_fp_fusion=False)
 
 
 def torch_add_scaled(base: torch.Tensor, diff: torch.Tensor, scale: float, out: torch.Tensor, inter: torch.dtype):
@@ -90,10 +108,12 @@ def launches(inter: torch.dtype, dtype: torch.dtype) -> list:
     return list(dict.fromkeys([(dtype, dtype), (dtype, inter), (inter, inter), (inter, dtype)]))
 
 
-def add_products(weight: torch.Tensor, terms, out: torch.Tensor, inter: torch.dtype) -> torch.Tensor:
+def add_products(weight: torch.Tensor, terms, out: torch.Tensor, inter: torch.dtype,
+                 flags: torch.Tensor | None = None) -> torch.Tensor:
     """``out`` = ``weight`` patched by each of ``terms`` ((up, down, scale): a LoRA's ``up @ down``
     times ``scale``) in turn, as ComfyUI's ``calculate_weight`` does: the sum held in the LoRA dtype
-    ``inter`` between terms (its copy of the weight). ``out`` may be ``weight``. It runs a band of
+    ``inter`` between terms (its copy of the weight). ``out`` may be ``weight``. ``flags``: as
+    ``add_scaled``'s, for the patched weight against ``weight``. It runs a band of
     rows at a time, ``ROWS_BYTES`` of product: the whole float32 product of a w1 is 157 MB, which
     the plan of an 8 GB card did not have beside an fp8 file's blocks (the first step of a LoRA
     image ran out of memory three times and evicted a layer each time)."""
@@ -109,8 +129,9 @@ def add_products(weight: torch.Tensor, terms, out: torch.Tensor, inter: torch.dt
             # a band of rows of the product is that band of ComfyUI's whole product, bit for bit
             # (each element is one dot product of the rank's terms; checked against ComfyUI's)
             diff = torch.mm(up[start:start + rows], down)
-            dst = dst_band if n == len(factors) - 1 else torch.empty(band.shape, dtype=inter, device=weight.device)
-            add_scaled(value, diff.view(band.shape), scale, dst, inter)
+            last = n == len(factors) - 1
+            dst = dst_band if last else torch.empty(band.shape, dtype=inter, device=weight.device)
+            add_scaled(value, diff.view(band.shape), scale, dst, inter, band if last else None, flags if last else None)
             value = dst
     return out
 
@@ -130,13 +151,22 @@ def check(device: torch.device, inter: torch.dtype, dtype: torch.dtype) -> str |
     results = []  # every launch first, then the comparisons: each launch is made whatever an earlier gave
     for base_dtype, out_dtype in launches(inter, dtype):
         b = base.to(base_dtype)
-        for scale in (0.37, -1.0, 3.0517578125e-05):
+        for scale in (0.37, -1.0, 3.0517578125e-05, 0.0):
             scale = float(torch.tensor(scale, dtype=torch.float32))
             want = torch.empty(n, dtype=out_dtype, device=device)
             torch_add_scaled(b, diff, scale, want, inter)
             got = torch.full_like(want, float("nan"))
             add_scaled(b, diff, scale, got, inter)
-            results.append((f"its {base_dtype} weights patched in {inter} into {out_dtype} are not torch's", got, want))
+            why = f"its {base_dtype} weights patched in {inter} into {out_dtype}"
+            results.append((f"{why} are not torch's", got, want))
+            if out_dtype == dtype:  # a patch's last launch: the first image's checks run in it
+                orig = base.to(dtype)
+                bits = {4: torch.int32, 2: torch.int16}[want.element_size()]
+                got, flags = torch.full_like(want, float("nan")), torch.zeros(2, dtype=torch.int32, device=device)
+                add_scaled(b, diff, scale, got, inter, orig, flags)
+                results.append((f"{why}, checked, are not torch's", got, want))
+                checks = torch.stack([~torch.isfinite(want).all(), (want.view(bits) != orig.view(bits)).any()])
+                results.append((f"{why}: the checks say otherwise than torch", flags, checks.to(torch.int32)))
     for why, got, want in results:
         bits = {4: torch.int32, 2: torch.int16}[want.element_size()]
         if not torch.equal(got.view(bits), want.view(bits)):
