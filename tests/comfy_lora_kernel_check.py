@@ -64,7 +64,8 @@ for (name, loras), (matrix, (rows, cols)) in itertools.product(cases.items(), sh
 # a LoRA that makes a weight overflow: the checked patch says so
 weight = torch.full((64, 3840), 6e4, device=device, dtype=torch.float16)
 entries = [(1.0, adapter(64, 3840, 16, None), 1.0, None, None)]
-entries[0][1].weights[0].fill_(20.0), entries[0][1].weights[1].fill_(20.0)
+for factor in entries[0][1].weights[:2]:  # each product element 16 * 400: 6e4 + 6400 is past fp16's 65504
+    factor.fill_(20.0)
 flags = torch.zeros(2, dtype=torch.int32, device=device)
 low_rank = patches.LowRank.of(entries, torch.float16, torch.float16, device)
 ran = low_rank is not None and low_rank.runs_on(weight)
