@@ -119,13 +119,14 @@ def _patched(entries, weight, key, held, seed):
     return out, comfy.float.stochastic_rounding(out, held, seed=seed).to(weight.dtype)
 
 
-def _checks(out, value, weight) -> tuple:
-    """(finite, changed): 0-d bools on the device for a patched ``value`` of ``weight`` (``out``: before
-    rounding; fp8 has no isfinite, and its rounding clamps to the finite range, so ``out`` says it all)."""
+def _checks(out, value, weight) -> torch.Tensor:
+    """(not finite, changed): int32 on the device, as the fused kernel's flags, for a patched ``value``
+    of ``weight`` (``out``: before rounding; fp8 has no isfinite, and its rounding clamps to the finite
+    range, so ``out`` says it all)."""
     finite = torch.isfinite(out).all()
     if value.element_size() > 1:
         finite &= torch.isfinite(value).all()
-    return finite, (value.view(torch.uint8) != weight.view(torch.uint8)).any()
+    return torch.stack([~finite, (value.view(torch.uint8) != weight.view(torch.uint8)).any()]).to(torch.int32)
 
 
 def _apply_fixed(patcher, w, wanted) -> int:
@@ -141,10 +142,10 @@ def _apply_fixed(patcher, w, wanted) -> int:
                 on_device = base.to(w.device)  # uploaded once: patched from it, compared with it
                 out, value = _patched(patcher.patches[key], on_device, key, _held_dtype(w, name, base.dtype),
                                       string_to_seed(key))
-                finite, changed = _checks(out, value, on_device)
-                if not bool(finite):
+                bad, changed = _checks(out, value, on_device).tolist()
+                if bad:
                     raise PatchError(_blame(patcher.patches[key], name))
-                unchanged += not bool(changed)
+                unchanged += not changed
             w.set(name, value)
             written.add(key)
     except BaseException:
@@ -218,9 +219,7 @@ class LayerPatches:
                 low_rank(weight, weight, flags)
             else:
                 out, value = _patched(entries, weight, key, held, seed)
-                if check:
-                    finite, changed = _checks(out, value, weight)
-                    flags = torch.stack([~finite, changed]).to(torch.int32)
+                flags = _checks(out, value, weight) if check else None
                 weight.copy_(value)
             if check:
                 self._checks[key] = flags  # (not finite, changed)

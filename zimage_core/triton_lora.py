@@ -161,17 +161,20 @@ def check(device: torch.device, inter: torch.dtype, dtype: torch.dtype) -> str |
             results.append((f"{why} are not torch's", got, want))
             if out_dtype == dtype:  # a patch's last launch: the first image's checks run in it
                 orig = base.to(dtype)
-                bits = {4: torch.int32, 2: torch.int16}[want.element_size()]
                 got, flags = torch.full_like(want, float("nan")), torch.zeros(2, dtype=torch.int32, device=device)
                 add_scaled(b, diff, scale, got, inter, orig, flags)
                 results.append((f"{why}, checked, are not torch's", got, want))
-                checks = torch.stack([~torch.isfinite(want).all(), (want.view(bits) != orig.view(bits)).any()])
+                checks = torch.stack([~torch.isfinite(want).all(), (_bits(want) != _bits(orig)).any()])
                 results.append((f"{why}: the checks say otherwise than torch", flags, checks.to(torch.int32)))
     for why, got, want in results:
-        bits = {4: torch.int32, 2: torch.int16}[want.element_size()]
-        if not torch.equal(got.view(bits), want.view(bits)):
+        if not torch.equal(_bits(got), _bits(want)):
             return why
     return None
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bits as integers of its width (NaNs and signed zeros compared as they are stored)."""
+    return t.view({4: torch.int32, 2: torch.int16}[t.element_size()])
 
 
 _checks, _lock = {}, threading.Lock()
