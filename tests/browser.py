@@ -23,6 +23,8 @@ import tempfile
 import threading
 import time
 
+from tools.server_processes import child_setup
+
 CANDIDATES = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
 FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
          "--disable-background-networking", "--disable-component-update", "--disable-sync",
@@ -76,7 +78,7 @@ class Browser:
                f"--user-data-dir={profile}", *extra_flags, "about:blank"]
         with open(log_path, "w") as log:
             proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                    pass_fds=(to_child_r, from_child_w), start_new_session=True)
+                                    pass_fds=(to_child_r, from_child_w), preexec_fn=child_setup)
         os.close(to_child_r)
         os.close(from_child_w)
         browser = cls(proc, os.fdopen(to_child_w, "wb", buffering=0), os.fdopen(from_child_r, "rb", buffering=0),

@@ -46,6 +46,7 @@ import uuid
 import pytest
 
 from comfy_env import COMFYUI_PATH, comfyui_version
+from tools.server_processes import child_setup
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -295,7 +296,7 @@ def start_server(base_dir, flags=(), python=None, timeout=START_TIMEOUT, log_nam
     log.write(f"$ cd {COMFYUI_PATH} && {shlex.join(cmd)}\n")
     log.flush()
     proc = subprocess.Popen(cmd, cwd=COMFYUI_PATH, stdout=log, stderr=subprocess.STDOUT, env=env,
-                            start_new_session=True)
+                            preexec_fn=child_setup)  # it dies with the tests, even killed ones
     log.close()
     client = ComfyClient(proc, port, base_dir, log_path, list(flags))
     end = time.monotonic() + timeout

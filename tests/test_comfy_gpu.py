@@ -25,6 +25,7 @@ import torch
 from comfy_env import COMFYUI_PATH, comfyui_version, needs_comfyui, run_check
 from comfy_identity import differences, run_session, session, table, write_loras
 from comfy_server import ROOT, TE_LAYERS_FULL, make_base_dir, server_flags, start_server, stop_server
+from tools.server_processes import child_setup
 from test_comfy_server import image_stats, node_of, official_template, pack_workflow
 
 pytestmark = [needs_comfyui, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -60,7 +61,8 @@ def simulated_card(gib, folder, gpu=0):
         return
     flag = os.path.join(folder, f"ballast-{gpu}-{gib}.ready")
     proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "tools", "ballast.py"), "--leave-gib", gib,
-                             "--flag", flag], env=dict(os.environ, CUDA_VISIBLE_DEVICES=str(gpu)))
+                             "--flag", flag], env=dict(os.environ, CUDA_VISIBLE_DEVICES=str(gpu)),
+                            preexec_fn=child_setup)
     try:
         end = time.monotonic() + 120
         while not os.path.exists(flag):

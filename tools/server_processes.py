@@ -45,19 +45,25 @@ def rss_gib(pid):
     return kb["RssAnon"] * 1024 / GIB, kb["RssFile"] * 1024 / GIB
 
 
-def _child_setup():
-    # a process group of its own, so stop() ends it and anything it started with one signal (the
-    # same session, so whatever ends this session's processes ends these too), and SIGKILL when
-    # this script dies, however it dies: a server or ballast left behind holds GBs of RAM or GPU
+# looked up here, not in the forked child, where loading a library could wait on a lock another
+# thread of the parent held at the fork
+_LIBC = ctypes.CDLL(None, use_errno=True)
+
+
+def child_setup():
+    """A child's ``preexec_fn``: a process group of its own, so stop() ends it and anything it
+    started with one signal (the same session, so whatever ends this session's processes ends
+    these too), and SIGKILL when the thread that started it dies, however it dies: a server, a
+    ballast or a browser left behind holds GBs of RAM or GPU memory that the next run misses."""
     os.setpgid(0, 0)
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    _LIBC.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 def spawn(cmd, log_path, env=None, cwd=None):
     """Start ``cmd`` with its output in ``log_path``, each line stamped with the seconds since the
     start (ComfyUI's own lines carry no time: the stamps show where an image's seconds went)."""
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, cwd=cwd,
-                            preexec_fn=_child_setup)
+                            preexec_fn=child_setup)
     threading.Thread(target=_stamp, args=(proc.stdout, log_path, time.monotonic()), daemon=True).start()
     return proc
 
