@@ -67,7 +67,7 @@ class HostMasters:
         self._parts = None                   # each layer's reads into the page cache (``read_ahead``)
         self._ahead = None                   # the reads ahead of the uploads, once started
         self._cached = 0                     # file bytes of layers with masters left in the page cache
-        self._dropping = False               # whether the RAM has had no room for more of them
+        self._dropping = False               # whether a layer's pages left it for want of room (said once)
 
     def plan(self, wanted: frozenset | None = None, compress: bool | None = None):
         """The layers that get a master at their first upload as a streamed layer (None: as before;
@@ -204,8 +204,8 @@ class HostMasters:
             return
         if not self._dropping:
             self._dropping = True
-            log.debug("Z-Image: from layer %d on, a layer's file pages leave the page cache once its master "
-                      "holds them (%.2f GiB of them stay)", i, self._cached / GiB)
+            log.debug("Z-Image: layer %d's file pages leave the page cache, its master holds them: the RAM "
+                      "keeps %.2f GiB of the file's layers beside their masters, no more", i, self._cached / GiB)
         self.layout.drop(self.sources[i])
 
     def _keep_blocks(self, i) -> bool:
