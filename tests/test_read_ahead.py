@@ -1,7 +1,7 @@
 """The first image's reads begun as the model loads (``read_ahead``): on a real file, its layers are
 in the page cache before any upload reads them; the reads follow the uploads' order, stay within
 their room ahead of the uploads, skip what an upload reads first, and stop without an error when
-a read fails or their owner goes. And what stays in the page cache once a layer's master holds it."""
+a read fails or their owner goes."""
 import gc
 import os
 import time
@@ -151,23 +151,3 @@ def test_the_reads_stop_when_their_owner_goes_or_they_are_stopped():
     other = ReadAhead(parts, [0, 1, 2], lambda: 0, keep)
     other.stop()
     assert not other.running and log == []
-
-
-@pytest.mark.parametrize("others_reread, kept", [(0, True), (1 << 50, False)])
-def test_a_layer_stays_in_the_page_cache_beside_its_master_only_where_the_ram_keeps_it(cold_file, monkeypatch,
-                                                                                      others_reread, kept):
-    """Once a streamed layer's master holds it, its file pages stay in the page cache where the host
-    budget has room for them beside what is read at every image (loading the checkpoint again, as
-    at a switch back to it, then reads them from there), and leave it where the pages another owner
-    reads at every run need that room."""
-    from zimage_core.host_memory import BUDGET
-    monkeypatch.setitem(BUDGET.rereads, "text encoder", others_reread)
-    m = ZImageTransformer.load(cold_file, device="cpu", dtype="fp32")
-    masters, n = m.streamer.masters, TINY.n_blocks
-    assert _until(lambda: all(_layer_cached(masters, i) for i in range(n)))
-    m.prepare(64, 48, resident_layers=2)
-    m(*inputs(TINY))
-    with_master = [i for i in range(n) if masters.host[i] is not None]
-    assert with_master
-    assert [_layer_cached(masters, i) for i in with_master] == [kept] * len(with_master)
-    m.release()

@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import logging
 import time
 
 import torch
 
 from . import compression
-from .host_memory import BUDGET, GiB, HostPool
+from .host_memory import BUDGET, HostPool
 from .layout import ALIGN, STAGING_BUFFERS, StreamConfig, staging_bytes, staging_chunk
 from .read_ahead import ReadAhead
 
@@ -40,7 +39,6 @@ def dequantize_into(blocks: dict, layout, dst: torch.Tensor):
 # a master's encode reads the next staging buffer from the file on this thread while the device
 # encodes the last one (one thread: the reads themselves run on the file's reader threads)
 _READER = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="zimage-prefill")
-log = logging.getLogger("zimage")
 
 
 class HostMasters:
@@ -66,8 +64,6 @@ class HostMasters:
         self._stage_next = 0
         self._parts = None                   # each layer's reads into the page cache (``read_ahead``)
         self._ahead = None                   # the reads ahead of the uploads, once started
-        self._cached = 0                     # file bytes of layers with masters left in the page cache
-        self._dropping = False               # whether a layer's pages left it for want of room (said once)
 
     def plan(self, wanted: frozenset | None = None, compress: bool | None = None):
         """The layers that get a master at their first upload as a streamed layer (None: as before;
@@ -173,7 +169,7 @@ class HostMasters:
                 if self.config.cuda:  # made here, where the encode waits for the device anyway: a table's
                     # upload from pageable memory waits for its stream, which at upload time is busy
                     self.runs[i] = [(run, compression.table(run, self.device)) for run in compression.groups(codes)]
-                self._leave_cache(i)
+                self.layout.drop(self.sources[i])
                 return True
             self.pool.free(buf)  # too many exceptions for the bound: a plain master
         buf = self.pool.allocate(self.layout.numel, self.layout.dtype)
@@ -185,28 +181,8 @@ class HostMasters:
             self.pool.free(buf)
             raise
         self.host[i] = buf
-        self._leave_cache(i)
-        return True
-
-    def _leave_cache(self, i):
-        """Layer i's file pages leave the page cache now that its master holds them, unless the RAM
-        keeps them beside all the budget counts (the pools, the masters still to be made, the pages
-        read again at every image: the layers without a master, the text encoder's where it is not
-        locked in place). A load of this checkpoint again, as at a switch back to it, then reads them
-        from there instead of the disk; where RAM is short the pages that are read at every image
-        keep their place."""
-        nbytes = self.layout.nbytes
-        wanted = range(len(self.sources)) if self.wanted is None else self.wanted
-        to_make = sum(self.host[j] is None for j in wanted) * self.master_bytes
-        rereads = (len(self.sources) - len(wanted)) * nbytes
-        if BUDGET.cache_room(self.pool.owner) - to_make - rereads - self._cached >= nbytes:
-            self._cached += nbytes
-            return
-        if not self._dropping:
-            self._dropping = True
-            log.debug("Z-Image: layer %d's file pages leave the page cache, its master holds them: the RAM "
-                      "keeps %.2f GiB of the file's layers beside their masters, no more", i, self._cached / GiB)
         self.layout.drop(self.sources[i])
+        return True
 
     def _keep_blocks(self, i) -> bool:
         """Layer i's quantized blocks copied into a master from the pool, if it has room."""

@@ -58,9 +58,8 @@ class HostBudget:
         """``cap``: the bytes the pools may hold in all (ZIMAGE_PINNED_GIB), None: no cap."""
         self.cap = cap
         self.headroom = cache_headroom(total_ram())
-        self.claims = {}   # owner -> bytes it expects to hold
-        self.held = {}     # owner -> bytes its pools hold
-        self.rereads = {}  # owner -> bytes of a file's pages it reads again at every run, not locked in place
+        self.claims = {}  # owner -> bytes it expects to hold
+        self.held = {}    # owner -> bytes its pools hold
 
     def room(self, owner: str) -> int:
         """Bytes ``owner`` may still allocate: the RAM's room, within ZIMAGE_PINNED_GIB."""
@@ -76,17 +75,8 @@ class HostBudget:
         locked = sum(_in_place.values())
         return max(0, (1 << 62) if avail is None else avail - locked - self.headroom - WORKING_MARGIN - others)
 
-    def cache_room(self, owner: str) -> int:
-        """What the page cache can still keep of ``owner``'s files: ``ram_room`` less the pages other
-        owners read again at every run (``MemAvailable`` counts them as it counts any cached page)."""
-        return max(0, self.ram_room(owner) - sum(b for o, b in self.rereads.items() if o != owner))
-
     def claim(self, owner: str, nbytes: int):
         self.claims[owner] = int(nbytes)
-
-    def reread(self, owner: str, nbytes: int):
-        """``owner`` reads ``nbytes`` of a file's pages again at every run from the page cache."""
-        self.rereads[owner] = int(nbytes)
 
     def _count(self, owner, nbytes):
         self.held[owner] = self.held.get(owner, 0) + nbytes

@@ -28,7 +28,7 @@ import torch
 from . import planner
 from .device_copies import DeviceCopies, copy_source, module_tensors
 from .devices import device_free_bytes, device_of
-from .host_memory import BUDGET, HostPool
+from .host_memory import HostPool
 from .layout import PackLayout, StreamConfig
 from .streamer import LayerStreamer
 
@@ -81,11 +81,6 @@ class StreamedStack:
         if locked is not None:
             it = iter(locked)
             params = [{k: next(it) for k in p} for p in params]
-        if self.device.type == "cuda":
-            # unlocked, its layers are read again at every run, from the page cache where the RAM keeps
-            # them (or held by the model's loader, which leaves less room still): other files' pages
-            # leave them that room (``HostBudget.cache_room``)
-            BUDGET.reread(pool.owner, 0 if locked is not None else len(self.layers) * self.layout.nbytes)
         sources = [{k: [(0, copy_source(t))] for k, t in p.items()} for p in params]
         config = StreamConfig(self.layout, self.device, masters=False, pinned_sources=locked is not None)
         self.streamer = LayerStreamer(config, sources, pool)
