@@ -25,8 +25,10 @@ execution_success. Each server's log is kept, every line stamped with the second
 started; its path is printed. With --server-arg=--verbose --server-arg=DEBUG each image's row also
 says where the pack's time went (encode, sample and its first step, decode, split set), how many
 of the sample's layer uploads read the checkpoint rather than a master (layers coming back from the
-page cache), how much it evicted to make room for the other models, and the image's floor: its steps at the bound the planner simulated for
-its split, plus its encode and decode, and the image's seconds over that floor.
+page cache), how much it evicted to make room for the other models, the seconds from the decode's
+end to the prompt's (ComfyUI's SaveImage writing the PNG, and the pack setting its split back), and
+the image's floor: its steps at the bound the planner simulated for its split, plus its encode and
+decode, and the image's seconds over that floor.
 
 Simulated machine:
   --card GIB     leave GIB of GPU memory free (tools/ballast.py, needs torch+CUDA in --python);
@@ -168,6 +170,7 @@ def one_server(a, base, pipeline, card, tag):
                   f"ComfyUI {row['comfy_requested']} requested"
                   + "".join(f"  {k[:-2]} {row[k]:.2f} s" for k in PHASES if k in row)
                   + (f"  {row['file_uploads']} uploads from the file" if "file_uploads" in row else "")
+                  + (f"  after the decode {row['after_decode_s']:.2f} s" if "after_decode_s" in row else "")
                   + (f"  evicted {row['evicted_gib']:.2f} GiB" if row["evicted_gib"] else "")
                   + (f"  floor {row['floor_s']:.2f} s ({sec / row['floor_s']:.2f}x)" if "floor_s" in row else ""),
                   flush=True)
@@ -183,6 +186,12 @@ def one_server(a, base, pipeline, card, tag):
                                                           in zip(clock, clock[1:])), flush=True)
 
 
+def _over_floor(images, less):
+    """The median of the images' seconds, less their phases ``less``, over their floors."""
+    rows = [r for r in images if {"floor_s", *less} <= set(r)]
+    return statistics.median((r["seconds"] - sum(r[k] for k in less)) / r["floor_s"] for r in rows) if rows else None
+
+
 def summarize(rec):
     im = rec["images"]
     warm = im[1:]
@@ -193,8 +202,9 @@ def summarize(rec):
                 pin_calls_after_first=sum(r["pin_calls"] for r in warm),
                 zimage_loads_after_first=sum(r["zimage_loads"] for r in warm),
                 comfy_requested_after_first=sum(r["comfy_requested"] for r in warm),
-                warm_over_floor_median=(statistics.median(r["seconds"] / r["floor_s"] for r in warm if "floor_s" in r)
-                                        if any("floor_s" in r for r in warm) else None),
+                warm_over_floor_median=_over_floor(warm, ()),
+                # up to the decode's end: the pack's part of the image over its floor
+                warm_to_decode_over_floor_median=_over_floor(warm, ("after_decode_s",)),
                 totals={k: round(sum(r.get(k, 0) for r in im), 3) for k in dict.fromkeys(k for r in im for k in r)
                         if k not in ("image", "label", "seconds", "step_bound_s", "floor_s") and "rss" not in k})
 

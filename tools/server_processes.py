@@ -29,6 +29,11 @@ BOUND_RE = re.compile(r"Z-Image: split set in .*; its simulated step ([0-9.]+) s
 # layer uploads of the sample that read the checkpoint rather than a master (layers coming back from the page cache)
 FILE_RE = re.compile(r"Z-Image: sampled .*; (\d+) layer uploads read the checkpoint")
 EVICT_RE = re.compile(r"Z-Image: made room for another model: ([0-9.]+) GiB freed")
+# the stamps of the decode's end and of the prompt's: what comes after the decode is ComfyUI's
+# SaveImage writing the PNG (slow for a random-weight image, which looks like noise) and the pack
+# setting its split back, which neither the floor nor the pack's phases count
+DECODED_AT = re.compile(r"^ *([0-9.]+) .*Z-Image: decoded in", re.M)
+DONE_AT = re.compile(r"^ *([0-9.]+) .*Prompt executed in", re.M)
 COMFY_LOADS = {"requested": "Requested to load", "completely": "loaded completely", "partially": "loaded partially"}
 GIB = 2**30
 
@@ -172,6 +177,9 @@ class Server:
         if FILE_RE.search(text):
             out["file_uploads"] = sum(int(g) for g in FILE_RE.findall(text))
         out.update({f"comfy_{k}": text.count(v) for k, v in COMFY_LOADS.items()})
+        decoded, done = DECODED_AT.findall(text), DONE_AT.findall(text)
+        if decoded and done:
+            out["after_decode_s"] = round(float(done[-1]) - float(decoded[-1]), 3)
         bounds = BOUND_RE.findall(text)
         if bounds:
             out["step_bound_s"] = float(bounds[-1])
