@@ -157,11 +157,23 @@ class Server:
                                  f"{e.get('exception_type')}: {e.get('exception_message')}\n"
                                  f"{''.join(e.get('traceback', []))[-3000:]}log: {self.log}")
             if status.get("status_str") == "success":
+                self._wait_logged(b"Prompt executed", 2.0)
                 return (events["execution_success"]["timestamp"] - events["execution_start"]["timestamp"]) / 1000
             self.check_alive()
             if time.monotonic() > end:
                 raise SystemExit(f"the prompt did not finish within {timeout} s; log {self.log}")
             time.sleep(0.2)
+
+    def _wait_logged(self, needle, seconds):
+        """ComfyUI records a prompt's success before it logs "Prompt executed": wait for the line,
+        so that ``new_log`` reads it with the image it belongs to."""
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            with open(self.log, "rb") as f:
+                f.seek(self.offset)
+                if needle in f.read():
+                    return
+            time.sleep(0.01)
 
     def new_log(self):
         """Counts of the pack's and ComfyUI's load lines in the log since the last call."""
@@ -177,9 +189,11 @@ class Server:
         if FILE_RE.search(text):
             out["file_uploads"] = sum(int(g) for g in FILE_RE.findall(text))
         out.update({f"comfy_{k}": text.count(v) for k, v in COMFY_LOADS.items()})
-        decoded, done = DECODED_AT.findall(text), DONE_AT.findall(text)
-        if decoded and done:
-            out["after_decode_s"] = round(float(done[-1]) - float(decoded[-1]), 3)
+        decoded = list(DECODED_AT.finditer(text))
+        # the line after this image's decode (one left over from a slow log would come before it)
+        done = DONE_AT.search(text, decoded[-1].end()) if decoded else None
+        if done:
+            out["after_decode_s"] = round(float(done.group(1)) - float(decoded[-1].group(1)), 3)
         bounds = BOUND_RE.findall(text)
         if bounds:
             out["step_bound_s"] = float(bounds[-1])
