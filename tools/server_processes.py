@@ -157,21 +157,21 @@ class Server:
                                  f"{e.get('exception_type')}: {e.get('exception_message')}\n"
                                  f"{''.join(e.get('traceback', []))[-3000:]}log: {self.log}")
             if status.get("status_str") == "success":
-                self._wait_logged(b"Prompt executed", 2.0)
+                self._wait_done(2.0)
                 return (events["execution_success"]["timestamp"] - events["execution_start"]["timestamp"]) / 1000
             self.check_alive()
             if time.monotonic() > end:
                 raise SystemExit(f"the prompt did not finish within {timeout} s; log {self.log}")
             time.sleep(0.2)
 
-    def _wait_logged(self, needle, seconds):
-        """ComfyUI records a prompt's success before it logs "Prompt executed": wait for the line,
-        so that ``new_log`` reads it with the image it belongs to."""
+    def _wait_done(self, seconds):
+        """ComfyUI records a prompt's success before it logs "Prompt executed" (``DONE_AT``): wait
+        for the line, so that ``new_log`` reads it with the image it belongs to."""
         end = time.monotonic() + seconds
         while time.monotonic() < end:
             with open(self.log, "rb") as f:
                 f.seek(self.offset)
-                if needle in f.read():
+                if DONE_AT.search(f.read().decode(errors="replace")):
                     return
             time.sleep(0.01)
 
