@@ -1,11 +1,13 @@
 """ZIMAGE_PINNED_GIB is checked with a one-line error; the host budget reads the RAM on every system and
 plans it: ComfyUI's RAM-cache headroom stays free, and the transformer's claim is kept for it."""
 import ctypes
+import mmap
 import os
 import subprocess
 import sys
 
 import pytest
+import torch
 
 from zimage_core import host_memory, ram
 from zimage_core.errors import SettingError, ZImageError
@@ -142,3 +144,28 @@ def test_sysconf_agrees_with_meminfo_roughly():
     avail = ram.available_ram()
     free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     assert 0 < free <= avail + GiB
+
+
+def _anonymous_rss() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssAnon:"))
+
+
+@pytest.mark.skipif(not (hasattr(mmap, "MADV_HUGEPAGE") and os.path.exists("/proc/self/status")),
+                    reason="transparent huge pages are a Linux feature")
+def test_a_large_buffer_is_laid_out_for_huge_pages_and_goes_back_when_freed():
+    """A master-sized buffer starts on a huge page's boundary (so the kernel can back it with huge
+    pages), holds what is written into it, and its memory leaves the process when the pool frees it."""
+    pool = HostPool("huge-pages-test", pin=False)
+    before = _anonymous_rss()
+    buf = pool.allocate(48 << 20, torch.bfloat16)  # 96 MiB
+    assert buf.data_ptr() % host_memory.HUGE_PAGE == 0 and buf.dtype == torch.bfloat16
+    buf.fill_(1.5)
+    assert pool.holds(buf[-1:]) and float(buf[-1]) == 1.5
+    assert _anonymous_rss() - before >= 90 << 20
+    pool.free(buf)
+    del buf
+    assert _anonymous_rss() - before < 16 << 20
+    small = pool.allocate(1000, torch.float32)  # below a huge page: an ordinary allocation
+    assert small.numel() == 1000 and pool.holds(small)
+    pool.release_all()
