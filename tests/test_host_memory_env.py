@@ -169,3 +169,18 @@ def test_a_large_buffer_is_laid_out_for_huge_pages_and_goes_back_when_freed():
     small = pool.allocate(1000, torch.float32)  # below a huge page: an ordinary allocation
     assert small.numel() == 1000 and pool.holds(small)
     pool.release_all()
+
+
+@pytest.mark.skipif(not hasattr(mmap, "MADV_HUGEPAGE"), reason="transparent huge pages are a Linux feature")
+def test_a_kernel_without_huge_pages_still_gives_the_buffer(monkeypatch):
+    """Where the kernel refuses the advice (built without huge pages), the buffer is made in small
+    pages, not refused as if the RAM had no room."""
+    monkeypatch.setattr(mmap, "MADV_HUGEPAGE", 0x7FFF, raising=False)  # advice no kernel knows: EINVAL
+    with pytest.raises(OSError):
+        mmap.mmap(-1, 4096).madvise(mmap.MADV_HUGEPAGE)
+    pool = HostPool("no-huge-pages-test", pin=False)
+    buf = pool.allocate(4 << 20, torch.float32)
+    assert buf is not None and buf.numel() == 4 << 20
+    buf.fill_(2.0)
+    assert float(buf.sum()) == 2.0 * (4 << 20)
+    pool.release_all()

@@ -100,7 +100,10 @@ def _empty(nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8)
     size = -(-nbytes // HUGE_PAGE) * HUGE_PAGE
     m = mmap.mmap(-1, size + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    m.madvise(mmap.MADV_HUGEPAGE)
+    try:
+        m.madvise(mmap.MADV_HUGEPAGE)
+    except OSError:  # a kernel built without them: small pages
+        pass
     whole = torch.frombuffer(m, dtype=torch.uint8)  # keeps the mapping alive; unmapped with its last view
     start = -whole.data_ptr() % HUGE_PAGE
     return whole[start:start + nbytes]
