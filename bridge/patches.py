@@ -8,8 +8,8 @@ held on the device. No host master, compressed master or file-backed layer is wr
 for a patch, so a new LoRA costs no pass over the model and removing it costs the re-upload of the
 resident layers it changed. The few fixed-part weights a LoRA may touch (embedders, adaLN) are
 patched once where they live. A matrix whose patches are all plain LoRAs (the common case) has
-the elementwise part of ComfyUI's arithmetic done in one kernel (``triton_lora``: the same
-roundings, the same bits; ComfyUI's own code computes the rest). The first forward checks every
+ComfyUI's arithmetic done in one kernel (``triton_lora``: the product, then the same roundings, the
+same bits; ComfyUI's own code computes the other kinds). The first forward checks every
 patched weight (finite, changed)
 and reads the checks back once: a patch that makes a weight NaN or infinite is named with the
 LoRA file it came from (the model file is not blamed), and the console counts the weights it
@@ -267,8 +267,8 @@ def stack_takes(patcher, stack) -> bool:
 class LowRank:
     """One weight's patches when each is a plain LoRA (``up @ down`` times strength and alpha over
     the rank: no mid weight, DoRA, reshape, offset, function or model strength) and the patched
-    weight is held in the slot's dtype: ComfyUI's ``calculate_weight`` with its elementwise part in
-    one kernel. ``up @ down`` is ComfyUI's product, made by the same torch call."""
+    weight is held in the slot's dtype: ComfyUI's ``calculate_weight`` in one kernel, whose
+    ``up @ down`` has the bits of ComfyUI's torch product."""
 
     def __init__(self, terms, inter):
         self.terms, self.inter = terms, inter  # terms: (up, down, scale as float32)

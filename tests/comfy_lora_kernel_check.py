@@ -35,8 +35,8 @@ cases = {
     "no alpha, strength -0.37": [(-0.37, None)],
     "two stacked, 0.5 and 1.3": [(0.5, torch.tensor(4.0)), (1.3, torch.tensor(16.0))],
 }
-# Z-Image's matrices: the kernel patches a band of rows at a time, and each band's product must be
-# those rows of ComfyUI's whole product
+# Z-Image's matrices: the kernel makes the product in tiles, and stacked LoRAs a band of rows at a
+# time; every tile and band must be those elements of ComfyUI's whole product
 shapes = {"w1": (10240, 3840), "w2": (3840, 10240), "qkv": (11520, 3840), "out": (3840, 3840)}
 results = {"lora_dtype": str(mm.lora_compute_dtype(device))}
 for (name, loras), (matrix, (rows, cols)) in itertools.product(cases.items(), shapes.items()):

@@ -142,11 +142,12 @@ def test_the_pack_on_the_gpu_matches_the_official_template(gpu_base_dir, dynamic
 
 
 def test_the_fused_lora_patch_gives_comfyuis_bits(tmp_path):
-    """A plain LoRA's patch on the GPU (one kernel for the elementwise part, ``bridge.patches.LowRank``)
+    """A plain LoRA's patch on the GPU (one kernel, its product included: ``bridge.patches.LowRank``)
     equals ComfyUI's own ``calculate_weight`` and rounding to the bit, into a copy and in place, in
     bf16 and fp16, with alpha a float32 or bf16 tensor or absent, one LoRA or two stacked, on each of
-    Z-Image's matrix shapes (the kernel patches a band of rows at a time); and checked as it is written
-    (a patch's first result: not finite, changed), an overflow to infinity among them."""
+    Z-Image's matrix shapes (the product made in tiles; stacked LoRAs a band of rows at a time); and
+    checked as it is written (a patch's first result: not finite, changed), an overflow to infinity
+    among them."""
     res = run_check(tmp_path, "comfy_lora_kernel_check.py", timeout=600)
     print(f"\nComfyUI {comfyui_version()}: LoRA dtype {res.pop('lora_dtype')}")
     for case, r in res.items():

@@ -68,15 +68,17 @@ def recorded_calls(monkeypatch):
     record(attention_input, "_kernel")
 
     dtypes = (torch.float32, torch.float16, torch.bfloat16)
-    n = 3 * triton_lora.BLOCK + 5
+    rows, cols = 3 * triton_lora.ROWS + 5, 2 * triton_lora.COLS
+    up, down = torch.empty(rows, 16), torch.empty(16, cols)
     for inter in dtypes:
         for dtype in dtypes:
             for base, out in triton_lora.launches(inter, dtype):
-                triton_lora.add_scaled(torch.empty(n, dtype=base), torch.empty(n), 0.5,
-                                       torch.empty(n, dtype=out), inter)
+                triton_lora.add_product(torch.empty(rows, cols, dtype=base), up, down, 0.5,
+                                        torch.empty(rows, cols, dtype=out), inter)
                 if out == dtype:  # a patch's last launch, checked (a patch's first result)
-                    triton_lora.add_scaled(torch.empty(n, dtype=base), torch.empty(n), 0.5, torch.empty(n, dtype=out),
-                                           inter, torch.empty(n, dtype=out), torch.zeros(2, dtype=torch.int32))
+                    triton_lora.add_product(torch.empty(rows, cols, dtype=base), up, down, 0.5,
+                                            torch.empty(rows, cols, dtype=out), inter, 0,
+                                            torch.empty(rows, cols, dtype=out), torch.zeros(2, dtype=torch.int32))
     for name, q in quants.TYPES.items():
         for out in dtypes:
             triton_dequant.dequantize_blocks(torch.empty(4, q.nbytes, dtype=torch.uint8), name,
@@ -106,16 +108,17 @@ def test_every_kernel_compiles_for(capability, monkeypatch):
     assert not failed, "\n".join(failed)
 
 
-def specialization(args, kwargs) -> tuple:
+def specialization(args, kwargs, unspecialized=()) -> tuple:
     """What Triton compiles a launch for: the pointers' dtypes, each integer's divisibility by 16
-    (and whether it is 1), the constexprs and the compile options."""
-    def of(v):
+    (and whether it is 1) but those of the arguments at ``unspecialized``, the constexprs and the
+    compile options."""
+    def of(i, v):
         if isinstance(v, torch.Tensor):
             return v.dtype
         if isinstance(v, int) and not isinstance(v, bool):
-            return v % 16 == 0, v == 1
+            return None if i in unspecialized else (v % 16 == 0, v == 1)
         return type(v).__name__
-    return tuple(of(a) for a in args), tuple(sorted((k, str(v)) for k, v in kwargs.items()))
+    return tuple(of(i, a) for i, a in enumerate(args)), tuple(sorted((k, str(v)) for k, v in kwargs.items()))
 
 
 @pytest.mark.parametrize("inter", (torch.float16, torch.float32))
@@ -125,10 +128,11 @@ def test_the_lora_check_compiles_what_a_patch_launches(inter, dtype, monkeypatch
     launches every specialization that one, two and three stacked LoRAs launch on Z-Image's weights,
     checked (a patch's first result) or not."""
     pytest.importorskip("triton", reason="Triton is not installed (it comes with torch's CUDA builds)")
+    unspecialized = {i for i, p in enumerate(triton_lora._kernel().params) if p.do_not_specialize}
     kernel = Recorder(None)
     monkeypatch.setattr(triton_lora, "_kernel", lambda: kernel)
     triton_lora.check(torch.device("cpu"), inter, dtype)  # recorded, not run: its comparisons fail
-    checked = {specialization(*call) for call in kernel.calls}
+    checked = {specialization(*call, unspecialized) for call in kernel.calls}
     kernel.calls.clear()
     for rows, cols in FULL.big_shapes.values():
         weight = torch.empty(rows, cols, dtype=dtype, device="meta")
@@ -136,5 +140,5 @@ def test_the_lora_check_compiles_what_a_patch_launches(inter, dtype, monkeypatch
             lora = (torch.empty(rows, 16, device="meta"), torch.empty(16, cols, device="meta"), 0.5)
             for flags in (None, torch.empty(2, dtype=torch.int32, device="meta")):  # checked: a first result
                 triton_lora.add_products(weight, [lora] * stacked, weight, inter, flags)
-    launched = {specialization(*call) for call in kernel.calls}
+    launched = {specialization(*call, unspecialized) for call in kernel.calls}
     assert launched and launched <= checked, launched - checked

@@ -1,31 +1,35 @@
-"""A low-rank weight patch's elementwise part in one Triton launch: ``weight + scale * diff``, where
-``diff`` is a LoRA's ``up @ down`` in float32 (a matrix product torch makes), with every rounding
-of torch's separate ops.
+"""A LoRA's patch of one weight in one Triton launch: ``weight + scale * (up @ down)``, the product
+made in the kernel, with every rounding of ComfyUI's separate torch ops.
 
-ComfyUI computes a LoRA into a weight as a copy of the weight in its LoRA dtype (float32, or
-float16 where the device computes in float16), the scaled product in that dtype, their sum, and the
-sum rounded to the model's dtype: five passes over a full matrix, three of them in float32, and a
-copy into the slot. A streamed layer is patched at every upload, so on an 8 GB card that was about
-40 ms a step for a rank-16 LoRA on every matrix of the streamed layers. This kernel reads the weight
-and the product once and writes the patched weight once, in place.
+ComfyUI computes a LoRA into a weight as the float32 product ``up @ down`` (a full-size matrix), a
+copy of the weight in its LoRA dtype (float32, or float16 where the device computes in float16), the
+scaled product in that dtype, their sum, and the sum rounded to the model's dtype: six passes over a
+full matrix, four of them in float32, and a copy into the slot. A streamed layer is patched at every
+upload, so on an 8 GB card that was about 40 ms a step for a rank-16 LoRA on every matrix of the
+streamed layers. This kernel reads the weight once and writes the patched weight once, in place: the
+product's elements are made in registers, a tile at a time, and never stored.
 
-Each op of torch's sequence is kept: the copy rounded to the LoRA dtype, the product ``scale *
-diff`` computed in float32 and rounded to it, the sum rounded to it, then to the output's dtype,
-each to nearest even, with no two ops fused into one rounding (``enable_fp_fusion=False``). Whether
-the kernel runs on a device is decided once per pair of dtypes (``runs_on``: it must give torch's
-bits); elsewhere torch's ops run, with the same bits.
+Each element of the product is a dot product over the rank: torch's float32 ``mm`` (cuBLAS) adds
+its terms in the rank's order, each by a fused multiply-add into a sum that starts at zero, and so
+does the kernel. Then each op of torch's sequence is kept: the copy rounded to the LoRA dtype, the
+product ``scale * diff`` computed in float32 and rounded to it, the sum rounded to it, then to the
+output's dtype, each to nearest even, with no two ops fused into one rounding
+(``enable_fp_fusion=False``). Whether the kernel runs on a device is decided once per pair of
+dtypes (``runs_on``: it must give torch's bits, products of several ranks among them); elsewhere
+torch's ops run, with the same bits.
 """
 from __future__ import annotations
 
 import functools
+import itertools
 import threading
 
 import torch
 
 from .device_check import DeviceCheck, triton_check
 
-BLOCK = 2048  # elements a program writes
-ROWS_BYTES = 64 << 20  # the float32 product of a band of rows (``add_products``)
+ROWS, COLS, WARPS = 128, 64, 4  # a program's tile of the weight, and its warps
+ROWS_BYTES = 64 << 20  # a band of rows of the sum held between stacked LoRAs (``add_products``)
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -34,19 +38,33 @@ def _kernel():
     import triton
     import triton.language as tl
 
-    @triton.jit
-    def add_scaled(base, diff, out, scale, n, orig, flags, ROUND: tl.constexpr, INTER: tl.constexpr,
-                   OUT_F32: tl.constexpr, CHECK: tl.constexpr, BLOCK: tl.constexpr):
-        """out = base + scale * diff (``diff`` in float32), the copy of ``base``, the product and the
-        sum each rounded to the LoRA dtype ``INTER`` where it is 16-bit (``ROUND``) as torch's ops round.
-        With ``CHECK``: ``flags[0]`` is raised where a value written is not finite, ``flags[1]`` where
-        one differs in its bits from ``orig`` (the weight before the patch, in ``out``'s dtype)."""
-        i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        mask = i < n
+    # the sizes vary with each LoRA and band: not compiled into the kernel, so that what ``check``
+    # launched is all a patch ever launches
+    @triton.jit(do_not_specialize=["scale", "rows", "rank", "row0"])
+    def add_product(base, up, down, out, scale, rows, cols, rank, row0, orig, flags, ROUND: tl.constexpr,
+                    INTER: tl.constexpr, OUT_F32: tl.constexpr, CHECK: tl.constexpr, ROWS: tl.constexpr,
+                    COLS: tl.constexpr):
+        """out = base + scale * (up @ down) for ``rows`` rows of ``cols``, ``up``'s from row ``row0``
+        (``rank`` columns), ``down`` ``rank`` x ``cols``, both float32: the product's terms added in
+        the rank's order by fused multiply-adds, then the copy of ``base``, the scaled product and
+        the sum each rounded to the LoRA dtype ``INTER`` where it is 16-bit (``ROUND``) as torch's
+        ops round. With ``CHECK``: ``flags[0]`` is raised where a value written is not finite,
+        ``flags[1]`` where one differs in its bits from ``orig`` (the weight before the patch, in
+        ``out``'s dtype)."""
+        r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+        c = tl.program_id(1) * COLS + tl.arange(0, COLS)
+        in_rows, in_cols = r < rows, c < cols
+        diff = tl.zeros((ROWS, COLS), dtype=tl.float32)
+        for k in range(rank):
+            u = tl.load(up + (row0 + r) * rank + k, mask=in_rows, other=0.0)
+            d = tl.load(down + k * cols + c, mask=in_cols, other=0.0)
+            diff = tl.fma(u[:, None], d[None, :], diff)
+        i = r[:, None] * cols + c[None, :]
+        mask = in_rows[:, None] & in_cols[None, :]
         if CHECK:
             o = tl.load(orig + i, mask=mask, other=0.0)  # before the store: ``orig`` may be ``out``
         b = tl.load(base + i, mask=mask, other=0.0).to(tl.float32)
-        p = scale * tl.load(diff + i, mask=mask, other=0.0)
+        p = scale * diff
         if ROUND:
             b = b.to(INTER, fp_downcast_rounding="rtne").to(tl.float32)
             p = p.to(INTER, fp_downcast_rounding="rtne").to(tl.float32)
@@ -62,10 +80,10 @@ def _kernel():
             bits = tl.int32 if OUT_F32 else tl.int16
             bad = mask & ~(tl.abs(v.to(tl.float32)) < float("inf"))
             changed = mask & (v.to(bits, bitcast=True) != o.to(bits, bitcast=True))
-            tl.atomic_max(flags, tl.max(bad.to(tl.int32), axis=0))
-            tl.atomic_max(flags + 1, tl.max(changed.to(tl.int32), axis=0))
+            tl.atomic_max(flags, tl.max(tl.max(bad.to(tl.int32), axis=1), axis=0))
+            tl.atomic_max(flags + 1, tl.max(tl.max(changed.to(tl.int32), axis=1), axis=0))
 
-    return add_scaled
+    return add_product
 
 
 @functools.cache
@@ -76,28 +94,32 @@ def _tl(dtype: torch.dtype):
     return getattr(tl, str(dtype).removeprefix("torch."))
 
 
-def add_scaled(base: torch.Tensor, diff: torch.Tensor, scale: float, out: torch.Tensor, inter: torch.dtype,
-               orig: torch.Tensor | None = None, flags: torch.Tensor | None = None):
-    """``out`` = torch's ``t = base.to(inter, copy=True); t += (scale * diff).to(inter); t.to(out.dtype)``
-    (ComfyUI's LoRA: ``diff`` the float32 product, ``inter`` its LoRA dtype), in one launch on the
-    current stream. All three contiguous, of one shape, on one CUDA device; ``out`` may be ``base``
-    (in place); ``scale`` a float32 value (as torch holds a Python scalar or a CPU one). With
-    ``flags`` (int32, two zeros to start): ``flags[0]`` becomes 1 where a value of ``out`` is not
-    finite, ``flags[1]`` where one differs in its bits from ``orig`` (``out``'s shape and dtype; it
-    may be ``out``): a patch's first result is checked as it is written, with no copy to compare."""
-    n = out.numel()
-    if n:
+def add_product(base: torch.Tensor, up: torch.Tensor, down: torch.Tensor, scale: float, out: torch.Tensor,
+                inter: torch.dtype, row0: int = 0, orig: torch.Tensor | None = None,
+                flags: torch.Tensor | None = None):
+    """``out`` = torch's ``t = base.to(inter, copy=True); t += (scale * (up[row0:] @ down)).to(inter);
+    t.to(out.dtype)`` (ComfyUI's LoRA: ``up``, ``down`` float32, ``inter`` its LoRA dtype), in one
+    launch on the current stream. ``base`` and ``out`` contiguous, of one 2-d shape, on one CUDA
+    device, ``out`` possibly ``base`` (in place); ``up`` and ``down`` contiguous; ``scale`` a float32
+    value (as torch holds a Python scalar or a CPU one). With ``flags`` (int32, two zeros to start):
+    ``flags[0]`` becomes 1 where a value of ``out`` is not finite, ``flags[1]`` where one differs in
+    its bits from ``orig`` (``out``'s shape and dtype; it may be ``out``): a patch's first result is
+    checked as it is written, with no copy to compare."""
+    rows, cols = out.shape
+    if out.numel():
         check = flags is not None
-        _kernel()[(-(-n // BLOCK),)](base, diff, out, scale, n, orig if check else out, flags if check else out,
-                                     ROUND=inter != torch.float32, INTER=_tl(inter),
-                                     OUT_F32=out.dtype == torch.float32, CHECK=check, BLOCK=BLOCK,
-                                     enable_fp_fusion=False)
+        _kernel()[(-(-rows // ROWS), -(-cols // COLS))](
+            base, up, down, out, scale, rows, cols, up.shape[1], row0, orig if check else out,
+            flags if check else out, ROUND=inter != torch.float32, INTER=_tl(inter),
+            OUT_F32=out.dtype == torch.float32, CHECK=check, ROWS=ROWS, COLS=COLS, num_warps=WARPS,
+            enable_fp_fusion=False)
 
 
-def torch_add_scaled(base: torch.Tensor, diff: torch.Tensor, scale: float, out: torch.Tensor, inter: torch.dtype):
-    """What ``add_scaled`` computes, in torch's ops (ComfyUI's order)."""
+def torch_add_product(base: torch.Tensor, up: torch.Tensor, down: torch.Tensor, scale: float, out: torch.Tensor,
+                      inter: torch.dtype):
+    """What ``add_product`` computes, in torch's ops (ComfyUI's order)."""
     t = base.to(inter, copy=True)
-    t += (scale * diff).to(inter)
+    t += (scale * torch.mm(up, down)).to(inter)
     out.copy_(t)
 
 
@@ -113,56 +135,64 @@ def add_products(weight: torch.Tensor, terms, out: torch.Tensor, inter: torch.dt
     """``out`` = ``weight`` patched by each of ``terms`` ((up, down, scale): a LoRA's ``up @ down``
     times ``scale``) in turn, as ComfyUI's ``calculate_weight`` does: the sum held in the LoRA dtype
     ``inter`` between terms (its copy of the weight). ``out`` may be ``weight``. ``flags``: as
-    ``add_scaled``'s, for the patched weight against ``weight``. It runs a band of
-    rows at a time, ``ROWS_BYTES`` of product: the whole float32 product of a w1 is 157 MB, which
-    the plan of an 8 GB card did not have beside an fp8 file's blocks (the first step of a LoRA
-    image ran out of memory three times and evicted a layer each time)."""
-    rows = max(1, ROWS_BYTES // (4 * weight[0].numel()))
+    ``add_product``'s, for the patched weight against ``weight``. One LoRA is one launch over the
+    whole weight; stacked ones go a band of rows at a time, ``ROWS_BYTES`` of the sum between them
+    (an 8 GB card's plan has no room for a w1's whole copy beside an fp8 file's blocks)."""
+    weight2d, out2d = weight.view(weight.shape[0], -1), out.view(out.shape[0], -1)
     # calculate_weight's product is float32 (ModelPatcher leaves its intermediate dtype at the
     # default); the weight's copy, and so the sum, is in the LoRA dtype
-    factors = [(up.to(weight.device, torch.float32).flatten(start_dim=1),
-                down.to(weight.device, torch.float32).flatten(start_dim=1), scale) for up, down, scale in terms]
-    for start in range(0, weight.shape[0], rows):
-        band, dst_band = weight[start:start + rows], out[start:start + rows]
+    factors = [(up.to(weight.device, torch.float32).flatten(start_dim=1).contiguous(),
+                down.to(weight.device, torch.float32).flatten(start_dim=1).contiguous(), scale)
+               for up, down, scale in terms]
+    total = weight2d.shape[0]
+    rows = total if len(factors) == 1 else max(1, ROWS_BYTES // (inter.itemsize * weight2d.shape[1]))
+    for start in range(0, total, rows):
+        band, dst_band = weight2d[start:start + rows], out2d[start:start + rows]
         value = band
         for n, (up, down, scale) in enumerate(factors):
-            # a band of rows of the product is that band of ComfyUI's whole product, bit for bit
-            # (each element is one dot product of the rank's terms; checked against ComfyUI's)
-            diff = torch.mm(up[start:start + rows], down)
             last = n == len(factors) - 1
             dst = dst_band if last else torch.empty(band.shape, dtype=inter, device=weight.device)
-            add_scaled(value, diff.view(band.shape), scale, dst, inter, band if last else None, flags if last else None)
+            add_product(value, up, down, scale, dst, inter, start, band if last else None, flags if last else None)
             value = dst
     return out
 
 
 def check(device: torch.device, inter: torch.dtype, dtype: torch.dtype) -> str | None:
     """None where the kernel gives torch's bits on ``device`` for weights in ``dtype`` patched in the
-    LoRA dtype ``inter`` (values near the 16-bit roundings' edges and overflows among them), else why
-    not. It launches what a patch launches (``launches``), so a LoRA's first image compiles nothing."""
+    LoRA dtype ``inter`` (values near the 16-bit roundings' edges and overflows among them, products
+    of ranks 1, 7, 16 and 64, a band that starts within ``up``), else why not. It launches what a
+    patch launches (``launches``), so a LoRA's first image compiles nothing."""
     g = torch.Generator().manual_seed(11)
-    # a last program that is partly masked; a multiple of 16, as every weight's size is (Triton
-    # compiles an integer argument's divisibility by 16 into the kernel)
-    n = 3 * BLOCK + 16
+    # a last tile partly masked; columns as many as a real weight's (the product's kernel in torch
+    # may depend on them) and a multiple of 16, as every weight's are (Triton compiles a size's
+    # divisibility by 16 into the kernel)
+    rows, cols = 3 * ROWS + 5, 30 * COLS
     # sums that overflow a 16-bit LoRA dtype to infinity, but no infinity minus infinity (a NaN's bits
-    # are not the arithmetic's)
-    base = (torch.randn(n, generator=g) * torch.logspace(-6, 4, n)).clamp(-6e4, 6e4).to(dtype).to(device)
-    diff = (torch.randn(n, generator=g) * 70000 ** torch.rand(n, generator=g)).clamp(-6e4, 6e4).to(device)
+    # are not the arithmetic's); signed zeros among the weights
+    n = rows * cols
+    base = (torch.randn(n, generator=g) * torch.logspace(-6, 4, n)).clamp(-6e4, 6e4)
+    base[::97] = -0.0
+    base = base.view(rows, cols).to(dtype).to(device)
     results = []  # every launch first, then the comparisons: each launch is made whatever an earlier gave
-    for base_dtype, out_dtype in launches(inter, dtype):
+    for (base_dtype, out_dtype), rank in itertools.product(launches(inter, dtype), (1, 7, 16, 64)):
+        # terms up to about 2e3, so that some sums pass fp16's largest value; exact and signed zeros
+        up = torch.randn(rows + 3, rank, generator=g) * 16 ** torch.rand(rows + 3, rank, generator=g)
+        down = torch.randn(rank, cols, generator=g) * 16 ** torch.rand(rank, cols, generator=g)
+        up[::5, 0], down[0, ::11] = 0.0, -0.0
+        up, down = up.to(device), down.to(device)
         b = base.to(base_dtype)
         for scale in (0.37, -1.0, 3.0517578125e-05, 0.0):
             scale = float(torch.tensor(scale, dtype=torch.float32))
-            want = torch.empty(n, dtype=out_dtype, device=device)
-            torch_add_scaled(b, diff, scale, want, inter)
+            want = torch.empty(rows, cols, dtype=out_dtype, device=device)
+            torch_add_product(b, up[3:], down, scale, want, inter)
             got = torch.full_like(want, float("nan"))
-            add_scaled(b, diff, scale, got, inter)
-            why = f"its {base_dtype} weights patched in {inter} into {out_dtype}"
+            add_product(b, up, down, scale, got, inter, 3)
+            why = f"its {base_dtype} weights patched by a rank-{rank} product in {inter} into {out_dtype}"
             results.append((f"{why} are not torch's", got, want))
             if out_dtype == dtype:  # a patch's last launch: the first image's checks run in it
                 orig = base.to(dtype)
                 got, flags = torch.full_like(want, float("nan")), torch.zeros(2, dtype=torch.int32, device=device)
-                add_scaled(b, diff, scale, got, inter, orig, flags)
+                add_product(b, up, down, scale, got, inter, 3, orig, flags)
                 results.append((f"{why}, checked, are not torch's", got, want))
                 checks = torch.stack([~torch.isfinite(want).all(), (_bits(want) != _bits(orig)).any()])
                 results.append((f"{why}: the checks say otherwise than torch", flags, checks.to(torch.int32)))
