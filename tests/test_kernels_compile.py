@@ -4,6 +4,8 @@ is installed (it comes with torch's CUDA builds): the consumer cards of the last
 9.0). The GPU tests run the kernels on one H200 only; a kernel that would not compile on a user's
 card would fall back to torch's ops there without a word in any test. Each kernel is compiled for the calls its module's
 own entry points make (recorded, not launched), so the signatures are the real ones."""
+import itertools
+
 import pytest
 import torch
 
@@ -125,8 +127,8 @@ def specialization(args, kwargs, unspecialized=()) -> tuple:
 @pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16))
 def test_the_lora_check_compiles_what_a_patch_launches(inter, dtype, monkeypatch):
     """A LoRA's first image compiles nothing: the fused patch's check, started when a model loads,
-    launches every specialization that one, two and three stacked LoRAs launch on Z-Image's weights,
-    checked (a patch's first result) or not."""
+    launches every specialization that one, two and three stacked LoRAs of any rank launch on
+    Z-Image's weights, checked (a patch's first result) or not."""
     pytest.importorskip("triton", reason="Triton is not installed (it comes with torch's CUDA builds)")
     unspecialized = {i for i, p in enumerate(triton_lora._kernel().params) if p.do_not_specialize}
     kernel = Recorder(None)
@@ -136,8 +138,8 @@ def test_the_lora_check_compiles_what_a_patch_launches(inter, dtype, monkeypatch
     kernel.calls.clear()
     for rows, cols in FULL.big_shapes.values():
         weight = torch.empty(rows, cols, dtype=dtype, device="meta")
-        for stacked in (1, 2, 3):
-            lora = (torch.empty(rows, 16, device="meta"), torch.empty(16, cols, device="meta"), 0.5)
+        for stacked, rank in itertools.product((1, 2, 3), (1, 4, 16, 37)):
+            lora = (torch.empty(rows, rank, device="meta"), torch.empty(rank, cols, device="meta"), 0.5)
             for flags in (None, torch.empty(2, dtype=torch.int32, device="meta")):  # checked: a first result
                 triton_lora.add_products(weight, [lora] * stacked, weight, inter, flags)
     launched = {specialization(*call, unspecialized) for call in kernel.calls}
