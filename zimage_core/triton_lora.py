@@ -137,7 +137,8 @@ def add_products(weight: torch.Tensor, terms, out: torch.Tensor, inter: torch.dt
     ``inter`` between terms (its copy of the weight). ``out`` may be ``weight``. ``flags``: as
     ``add_product``'s, for the patched weight against ``weight``. One LoRA is one launch over the
     whole weight; stacked ones go a band of rows at a time, ``ROWS_BYTES`` of the sum between them
-    (an 8 GB card's plan has no room for a w1's whole copy beside an fp8 file's blocks)."""
+    (an 8 GB card's plan for an fp8 file leaves little room beside its blocks: a w1's whole float32
+    product ran it out of memory)."""
     weight2d, out2d = weight.view(weight.shape[0], -1), out.view(out.shape[0], -1)
     # calculate_weight's product is float32 (ModelPatcher leaves its intermediate dtype at the
     # default); the weight's copy, and so the sum, is in the LoRA dtype
@@ -164,9 +165,9 @@ def check(device: torch.device, inter: torch.dtype, dtype: torch.dtype) -> str |
     patch launches (``launches``), so a LoRA's first image compiles nothing."""
     g = torch.Generator().manual_seed(11)
     # a last tile partly masked; columns as many as a real weight's (the product's kernel in torch
-    # may depend on them) and a multiple of 16, as every weight's are (Triton compiles a size's
+    # may depend on them), a multiple of 16 as every weight's are (Triton compiles a size's
     # divisibility by 16 into the kernel)
-    rows, cols = 3 * ROWS + 5, 30 * COLS
+    rows, cols = 3 * ROWS + 5, 3840
     # sums that overflow a 16-bit LoRA dtype to infinity, but no infinity minus infinity (a NaN's bits
     # are not the arithmetic's); signed zeros among the weights
     n = rows * cols
