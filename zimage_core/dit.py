@@ -61,6 +61,46 @@ def _rowwise(fn, x, size, tick):
     return torch.cat(out, dim=1)
 
 
+class Scratch:
+    """Where a forward's modulated blocks write their activations between the matrix products: one
+    device buffer per forward (and card), each op's output a view at a fixed place in it, reused by
+    every block in the order the stream runs them, and the residual updated in place. A block then
+    asks the allocator for little more than the attention's output. Why: inside ComfyUI every
+    device allocation passes comfy-aimdo's hooks, about 30 microseconds each on a nearly full card
+    (measured in a server, 23 a block), and the host fell behind the GPU by 15-20 ms a step.
+
+    The places, in columns of a block's tokens (each region [B, L, columns]): the normed input
+    [0, dim), qkv [dim, 4 dim), q, k, v [4 dim, 7 dim); the attention's projection back in [0, dim);
+    the FFN's normed input [0, dim), w1's and w3's outputs after it (the SiLU gate written over
+    w1's), w2's in [0, dim). adaLN's modulation and its four factors have a small buffer of their
+    own. The buffer is no larger than what those tensors took at their peak before
+    (``device_memory.activation_bytes``)."""
+
+    def __init__(self, cfg: ZImageConfig, rows: int, dtype, device):
+        """``rows``: batch times the most tokens a block of this forward runs."""
+        self.dim, self.ffn = cfg.dim, cfg.ffn_dim
+        self.flat = torch.empty(rows * max(7 * cfg.dim, cfg.dim + 2 * cfg.ffn_dim), dtype=dtype, device=device)
+        self.small = None
+
+    def region(self, x, start: int, columns: int) -> torch.Tensor:
+        """The [B, L, columns] region from column ``start``, for ``x`` [B, L, ...]."""
+        b, n = x.shape[:2]
+        return self.flat[b * n * start:b * n * (start + columns)].view(b, n, columns)
+
+    def heads(self, x, start: int, heads: int, head_dim: int) -> torch.Tensor:
+        """The [B, H, L, D] region from column ``start`` (one of q, k, v)."""
+        b, n = x.shape[:2]
+        return self.region(x, start, heads * head_dim).view(b, heads, n, head_dim)
+
+    def modulation(self, adaln, columns: int) -> tuple:
+        """adaLN's [B, 4 dim] modulation and its four [B, dim] factors, in ``adaln``'s dtype."""
+        b = adaln.shape[0]
+        if self.small is None or self.small.shape[0] != b or self.small.dtype != adaln.dtype:
+            self.small = torch.empty(b, columns + 4 * self.dim, dtype=adaln.dtype, device=self.flat.device)
+        return (self.small[:, :columns],) + tuple(self.small[:, columns + j * self.dim:columns + (j + 1) * self.dim]
+                                                  for j in range(4))
+
+
 class BigWeights(NamedTuple):
     qkv: torch.Tensor
     out: torch.Tensor
@@ -76,9 +116,14 @@ def clamp_fp16(x):
     return x
 
 
-def linear(x, w, b=None):
-    """F.linear in the activation dtype; a weight stored narrower (fp8) is upcast on the device."""
-    return F.linear(x, w if w.dtype == x.dtype else w.to(x.dtype), b)
+def linear(x, w, b=None, out=None):
+    """F.linear in the activation dtype; a weight stored narrower (fp8) is upcast on the device.
+    Given ``out``, the product is written there: the same kernel as F.linear's (``matmul`` without
+    a bias, ``addmm`` with one, for 2-D ``x`` only, as F.linear itself calls them)."""
+    w = w if w.dtype == x.dtype else w.to(x.dtype)
+    if out is None:
+        return F.linear(x, w, b)
+    return torch.matmul(x, w.t(), out=out) if b is None else torch.addmm(b, x, w.t(), out=out)
 
 
 def rope(pos, dim, theta):
@@ -170,7 +215,9 @@ class Block(nn.Module):
             return linear(clamp_fp16(elementwise.silu_gate(linear(y, w.w1), linear(y, w.w3))), w.w2)
         return run(x) if chunks is None else _rowwise(run, x, chunks.rows, chunks.tick)
 
-    def forward(self, x, freqs, adaln, w: BigWeights, chunks: Chunks | None = None):
+    def forward(self, x, freqs, adaln, w: BigWeights, chunks: Chunks | None = None, scratch: Scratch | None = None):
+        if self.modulated and scratch is not None and chunks is None:
+            return self._modulated_in(scratch, x, freqs, adaln, w)
         if self.modulated:
             scale_msa, gate_msa, scale_mlp, gate_mlp = self.adaLN_modulation(adaln).chunk(4, dim=1)
             x = self._gated(x, self.attend(self._scaled(x, self.attention_norm1, 1 + scale_msa), freqs, w, chunks),
@@ -181,6 +228,31 @@ class Block(nn.Module):
             x = x + self.attention_norm2(clamp_fp16(self.attend(self.attention_norm1(x), freqs, w, chunks)))
             x = x + self.ffn_norm2(self.ffn(self.ffn_norm1(x), w, chunks))
         return x
+
+    def _modulated_in(self, s: Scratch, x, freqs, adaln, w: BigWeights):
+        """``forward`` of a modulated block, each op writing into ``s`` (``Scratch``) and the residual
+        into ``x`` itself: the same kernels, in the same order, as the other path."""
+        dim, ffn, heads, hd = s.dim, s.ffn, self.n_heads, self.head_dim
+        lin = self.adaLN_modulation[0]
+        mod, scale_msa, gate_msa, scale_mlp, gate_mlp = s.modulation(adaln, lin.weight.shape[0])
+        chunks = linear(adaln, lin.weight, lin.bias, out=mod).chunk(4, dim=1)
+        scale_msa, scale_mlp = (torch.add(c, 1, out=o) for c, o in ((chunks[0], scale_msa), (chunks[2], scale_mlp)))
+        gate_msa, gate_mlp = (torch.tanh(c, out=o) for c, o in ((chunks[1], gate_msa), (chunks[3], gate_mlp)))
+        norm = self.attention_norm1
+        h = elementwise.scaled_norm(x, norm.weight, norm.eps, scale_msa, out=s.region(x, 0, dim))
+        qkv = linear(h, w.qkv, out=s.region(x, dim, 3 * dim))
+        q, k, v = attention_input.make(qkv, self.attention.q_norm.weight, self.attention.k_norm.weight, freqs,
+                                       heads, hd, out=[s.heads(x, (4 + j) * dim, heads, hd) for j in range(3)])
+        o = linear(self.attention_fn(q, k, v, heads), w.out, out=s.region(x, 0, dim))
+        norm = self.attention_norm2
+        x = elementwise.gated_residual(x, clamp_fp16(o), norm.weight, norm.eps, gate_msa, out=x)
+        norm = self.ffn_norm1
+        h = elementwise.scaled_norm(x, norm.weight, norm.eps, scale_mlp, out=s.region(x, 0, dim))
+        a = linear(h, w.w1, out=s.region(x, dim, ffn))
+        g = elementwise.silu_gate(a, linear(h, w.w3, out=s.region(x, dim + ffn, ffn)), out=a)
+        f = linear(clamp_fp16(g), w.w2, out=s.region(x, 0, dim))
+        norm = self.ffn_norm2
+        return elementwise.gated_residual(x, clamp_fp16(f), norm.weight, norm.eps, gate_mlp, out=x)
 
     @staticmethod
     def _scaled(x, norm: RMSNorm, scale):
@@ -268,13 +340,20 @@ class ZImageDiT(nn.Module):
         r = cfg.n_refiner_layers
         follows = bool(self.runner.n_streamed) and another_forward_follows(transformer_options)
 
+        # the modulated blocks' activations, one buffer per card for the whole forward (``Scratch``);
+        # run in pieces (``chunks``), the blocks allocate theirs piece by piece instead
+        scratches = {}
+        rows = bs * (n_cap + img.shape[1])  # the main layers' joint sequence, the longest
+
         def stage(blocks, first, freqs, adaln):
             near = {}  # freqs and adaln on each device that runs these blocks (``LayerChain``), crossed once
 
             def run(i, y, big):
                 if y.device not in near:
                     near[y.device] = [None if t is None else to_device(t, y.device) for t in (freqs, adaln)]
-                y = blocks[i - first](y, *near[y.device], big, chunks)
+                if chunks is None and adaln is not None and y.device not in scratches:
+                    scratches[y.device] = Scratch(cfg, rows, y.dtype, y.device)
+                y = blocks[i - first](y, *near[y.device], big, chunks, scratches.get(y.device))
                 tick()
                 return y
             return run
@@ -288,6 +367,7 @@ class ZImageDiT(nn.Module):
         freqs = torch.cat((cap_freqs, img_freqs), dim=1)
         xs = self.runner.run_layers(xs, stage(self.layers, 2 * r, freqs, t), range(2 * r, cfg.n_blocks),
                                     next_forward=follows)
+        scratches.clear()
 
         out = self.final_layer(to_device(xs, dev), t)[:, n_cap:n_cap + n_img]
         out = out.view(bs, ht, wt, p, p, -1).permute(0, 5, 1, 3, 2, 4).flatten(4, 5).flatten(2, 3)
