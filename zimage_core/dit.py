@@ -94,12 +94,13 @@ class Scratch:
         return self.region(x, start, heads * head_dim).view(b, heads, n, head_dim)
 
     def modulation(self, adaln, columns: int) -> tuple:
-        """adaLN's [B, 4 dim] modulation and its four [B, dim] factors, in ``adaln``'s dtype."""
-        b = adaln.shape[0]
-        if self.small is None or self.small.shape[0] != b or self.small.dtype != adaln.dtype:
-            self.small = torch.empty(b, columns + 4 * self.dim, dtype=adaln.dtype, device=self.flat.device)
-        return (self.small[:, :columns],) + tuple(self.small[:, columns + j * self.dim:columns + (j + 1) * self.dim]
-                                                  for j in range(4))
+        """adaLN's [B, 4 dim] modulation and its four [B, dim] factors (each contiguous, as the
+        kernels read them), in ``adaln``'s dtype."""
+        b, d = adaln.shape[0], self.dim
+        if self.small is None or self.small.numel() != b * (columns + 4 * d) or self.small.dtype != adaln.dtype:
+            self.small = torch.empty(b * (columns + 4 * d), dtype=adaln.dtype, device=self.flat.device)
+        factors = self.small[b * columns:].view(4, b, d)
+        return (self.small[:b * columns].view(b, columns), *factors.unbind(0))
 
 
 class BigWeights(NamedTuple):
