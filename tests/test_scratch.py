@@ -28,6 +28,8 @@ def test_a_block_writes_the_same_bits_into_its_scratch(dtype):
         want = block(x.clone(), freqs, adaln, w)
         assert torch.equal(block(x.clone(), freqs, adaln, w, None, scratch), want)
         assert torch.equal(block(x.clone(), freqs, adaln, w, None, scratch), want)  # reused: nothing left over
+    # the kernels on a GPU read the four factors as contiguous [B, dim] rows
+    assert all(t.is_contiguous() and t.shape == (b, cfg.dim) for t in scratch.modulation(adaln, 4 * cfg.dim)[1:])
 
 
 def test_a_forward_with_scratch_buffers_gives_the_same_bits(tiny_file, monkeypatch):
