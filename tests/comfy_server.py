@@ -168,9 +168,9 @@ def sparse_twin(src, dst):
 
 def make_base_dir(base, te_layers=TE_LAYERS, full_transformer=False):
     """custom_nodes/<pack> -> repository root; models/{diffusion_models,text_encoders,vae,loras}; user,
-    input, output."""
+    input, output, frontend."""
     for sub in ("custom_nodes", "models/diffusion_models", "models/text_encoders", "models/vae", "models/loras",
-                "user", "input", "output"):
+                "user", "input", "output", "frontend"):
         os.makedirs(os.path.join(base, sub), exist_ok=True)
     link = os.path.join(base, "custom_nodes", PACK)
     if not os.path.islink(link):
@@ -283,14 +283,17 @@ class ComfyClient:
         return self.log_text()[-chars:]
 
 
-def start_server(base_dir, flags=(), python=None, timeout=START_TIMEOUT, log_name=None, env=None, cpu=True):
+def start_server(base_dir, flags=(), python=None, timeout=START_TIMEOUT, log_name=None, env=None, cpu=True,
+                 frontend=False):
     """Start `main.py --cpu` (without ``cpu``: on the GPU) on a free port with `base_dir` (and
-    ``env`` on top of this process's environment); returns a ComfyClient once /object_info answers."""
+    ``env`` on top of this process's environment); returns a ComfyClient once /object_info answers.
+    Without ``frontend`` the web root is an empty folder: API prompts need no frontend package."""
     port = free_port()
     log_path = os.path.join(base_dir, log_name or f"comfyui-{port}.log")
     cmd = [python or sys.executable, "main.py", *(["--cpu"] if cpu else []), "--listen", "127.0.0.1", "--port", str(port),
            "--disable-auto-launch", "--base-directory", base_dir,
-           "--database-url", f"sqlite:///{os.path.join(base_dir, 'user', 'comfyui.db')}", *flags]
+           "--database-url", f"sqlite:///{os.path.join(base_dir, 'user', 'comfyui.db')}",
+           *([] if frontend else ["--front-end-root", os.path.join(base_dir, "frontend")]), *flags]
     env = dict(os.environ, PYTHONUNBUFFERED="1", MALLOC_PERTURB_="255", **(env or {}))
     log = open(log_path, "w")
     log.write(f"$ cd {COMFYUI_PATH} && {shlex.join(cmd)}\n")

@@ -212,7 +212,7 @@ def move_node(page, node_id, dx):
 @pytest.fixture(scope="module")
 def frontend(tmp_path_factory):
     base = make_base_dir(str(tmp_path_factory.mktemp("frontend_base")))
-    client = start_server(base, log_name="comfyui.log")
+    client = start_server(base, log_name="comfyui.log", frontend=True)
     try:
         status, html, _ = client.request("GET", "/")
         assert status == 200 and b"<title>ComfyUI" in html, \
@@ -368,7 +368,7 @@ def make_thumbnails(out_dir=WORKFLOWS):
     os.makedirs(os.path.join(base, "user", "default"), exist_ok=True)
     with open(os.path.join(base, "user", "default", "comfy.settings.json"), "w") as f:
         json.dump(CLEAN_CANVAS, f)
-    client = start_server(base, log_name="comfyui.log")
+    client = start_server(base, log_name="comfyui.log", frontend=True)
     try:
         with Browser.launch() as browser:
             page = browser.new_page(*VIEW)
