@@ -157,10 +157,11 @@ def reaches() -> list:
               or _params(mm.unet_dtype, "model_params", "supported_dtypes", "weight_dtype")
               or _attributes(mm, "unet_manual_cast", "get_torch_device", "unet_offload_device",
                              "throw_exception_if_processing_interrupted", "OOM_EXCEPTION", "soft_empty_cache")),
-        Reach("ComfyUI's attention kernel: optimized_attention(q, k, v, heads, ..., skip_reshape)",
-              "model.py: comfy_attention",
-              lambda: _params(comfy.ldm.modules.attention.optimized_attention, "skip_reshape")
-              if callable(comfy.ldm.modules.attention.optimized_attention) else "optimized_attention is gone"),
+        Reach("ComfyUI's attention kernel: optimized_attention(q, k, v, heads, ..., skip_reshape), and its "
+              "default, attention_pytorch", "model.py: comfy_attention, attention",
+              lambda: (_params(comfy.ldm.modules.attention.optimized_attention, "skip_reshape")
+                       if callable(comfy.ldm.modules.attention.optimized_attention) else "optimized_attention is gone")
+              or _attributes(comfy.ldm.modules.attention, "attention_pytorch")),
         Reach("Prompt embeddings wrapped as conds.CONDRegular", "model.py: ZImageModel.extra_conds",
               lambda: _attributes(comfy.conds, "CONDRegular")),
         Reach("A patcher's load callback: patcher_extension.CallbacksMP.ON_LOAD", "pinned.py: pinned_patcher",
