@@ -65,10 +65,10 @@ class Scratch:
     """Where a forward's modulated blocks write their activations between the matrix products: one
     device buffer per forward (and card), each op's output a view at a fixed place in it, reused by
     every block in the order the stream runs them, and the residual updated in place. A block then
-    asks the allocator for little more than the attention's output. Why: inside ComfyUI every
-    device allocation passes comfy-aimdo's hooks. In a server on a nearly full 8 GB card a block
-    made 23 of them, 25 microseconds each on average (some over 100), and the host, which queues
-    the kernels, fell behind the GPU by about 16 ms a step (torch.profiler).
+    asks the allocator for little more than the attention's output, where it made 23 allocations
+    before: inside ComfyUI every one passes comfy-aimdo's hooks, a few microseconds each and some
+    over 100 (torch.profiler, a server on a nearly full 8 GB card), on the host that queues the
+    kernels.
 
     The places, in columns of a block's tokens (each region [B, L, columns]): the normed input
     [0, dim), qkv [dim, 4 dim), q, k, v [4 dim, 7 dim); the attention's projection back in [0, dim);
@@ -79,7 +79,6 @@ class Scratch:
 
     def __init__(self, cfg: ZImageConfig, rows: int, dtype, device):
         """``rows``: batch times the most tokens a block of this forward runs."""
-        self.dim, self.ffn = cfg.dim, cfg.ffn_dim
         self.flat = torch.empty(rows * max(7 * cfg.dim, cfg.dim + 2 * cfg.ffn_dim), dtype=dtype, device=device)
         self.small = None
 
@@ -88,19 +87,48 @@ class Scratch:
         b, n = x.shape[:2]
         return self.flat[b * n * start:b * n * (start + columns)].view(b, n, columns)
 
-    def heads(self, x, start: int, heads: int, head_dim: int) -> torch.Tensor:
-        """The [B, H, L, D] region from column ``start`` (one of q, k, v)."""
-        b, n = x.shape[:2]
-        return self.region(x, start, heads * head_dim).view(b, heads, n, head_dim)
+    def heads(self, x, heads: int, head_dim: int) -> list:
+        """q's, k's and v's [B, H, L, D] regions, for the normed input ``x`` [B, L, dim]."""
+        b, n, dim = x.shape
+        return [self.region(x, (4 + j) * dim, dim).view(b, heads, n, head_dim) for j in range(3)]
+
+    @staticmethod
+    def over(t):
+        """Where an op's output replaces its input ``t`` (the residual, w1's output)."""
+        return t
 
     def modulation(self, adaln, columns: int) -> tuple:
-        """adaLN's [B, 4 dim] modulation and its four [B, dim] factors (each contiguous, as the
-        kernels read them), in ``adaln``'s dtype."""
-        b, d = adaln.shape[0], self.dim
+        """adaLN's [B, columns] modulation and its four [B, columns / 4] factors (each contiguous,
+        as the kernels read them), in ``adaln``'s dtype."""
+        b, d = adaln.shape[0], columns // 4
         if self.small is None:  # every block of a forward has the same adaln
-            self.small = torch.empty(b * (columns + 4 * d), dtype=adaln.dtype, device=self.flat.device)
+            self.small = torch.empty(b * 2 * columns, dtype=adaln.dtype, device=self.flat.device)
         factors = self.small[b * columns:].view(4, b, d)
         return (self.small[:b * columns].view(b, columns), *factors.unbind(0))
+
+
+class Allocating:
+    """``Scratch``'s places where there is no buffer (a forward run in pieces, and the blocks without
+    adaLN): none, so each op allocates its output."""
+
+    @staticmethod
+    def region(x, start: int, columns: int):
+        return None
+
+    @staticmethod
+    def heads(x, heads: int, head_dim: int):
+        return None
+
+    @staticmethod
+    def over(t):
+        return None
+
+    @staticmethod
+    def modulation(adaln, columns: int) -> tuple:
+        return (None,) * 5
+
+
+ALLOCATE = Allocating()
 
 
 class BigWeights(NamedTuple):
@@ -199,72 +227,58 @@ class Block(nn.Module):
         if modulated:
             self.adaLN_modulation = nn.Sequential(Linear(cfg.t_dim, 4 * cfg.dim))
 
-    def attend(self, x, freqs, w: BigWeights, chunks: Chunks | None = None):
-        b, n, _ = x.shape
-        qkv = linear(x, w.qkv) if chunks is None else _rowwise(lambda y: linear(y, w.qkv), x, chunks.rows, chunks.tick)
+    def attend(self, x, freqs, w: BigWeights, chunks: Chunks | None = None, s: Scratch | Allocating = ALLOCATE):
+        b, n, dim = x.shape
+        qkv = (linear(x, w.qkv, out=s.region(x, dim, 3 * dim)) if chunks is None
+               else _rowwise(lambda y: linear(y, w.qkv), x, chunks.rows, chunks.tick))
         q, k, v = attention_input.make(qkv, self.attention.q_norm.weight, self.attention.k_norm.weight, freqs,
-                                       self.n_heads, self.head_dim)
+                                       self.n_heads, self.head_dim, out=s.heads(x, self.n_heads, self.head_dim))
         if chunks is None:
-            return linear(self.attention_fn(q, k, v, self.n_heads), w.out)
+            return linear(self.attention_fn(q, k, v, self.n_heads), w.out, out=s.region(x, 0, dim))
         out = []
         for a, e in _pieces(n, chunks.queries):
             out.append(linear(self.attention_fn(q[:, :, a:e], k, v, self.n_heads), w.out))
             chunks.tick()
         return torch.cat(out, dim=1)
 
-    def ffn(self, x, w: BigWeights, chunks: Chunks | None = None):
+    def ffn(self, x, w: BigWeights, chunks: Chunks | None = None, s: Scratch | Allocating = ALLOCATE):
+        dim, ffn = x.shape[-1], w.w1.shape[0]
+
         def run(y):
-            return linear(clamp_fp16(elementwise.silu_gate(linear(y, w.w1), linear(y, w.w3))), w.w2)
+            a = linear(y, w.w1, out=s.region(y, dim, ffn))
+            g = elementwise.silu_gate(a, linear(y, w.w3, out=s.region(y, dim + ffn, ffn)), out=s.over(a))
+            return linear(clamp_fp16(g), w.w2, out=s.region(y, 0, dim))
         return run(x) if chunks is None else _rowwise(run, x, chunks.rows, chunks.tick)
 
     def forward(self, x, freqs, adaln, w: BigWeights, chunks: Chunks | None = None, scratch: Scratch | None = None):
-        if self.modulated and scratch is not None and chunks is None:
-            return self._modulated_in(scratch, x, freqs, adaln, w)
-        if self.modulated:
-            scale_msa, gate_msa, scale_mlp, gate_mlp = self.adaLN_modulation(adaln).chunk(4, dim=1)
-            x = self._gated(x, self.attend(self._scaled(x, self.attention_norm1, 1 + scale_msa), freqs, w, chunks),
-                            self.attention_norm2, gate_msa.tanh())
-            x = self._gated(x, self.ffn(self._scaled(x, self.ffn_norm1, 1 + scale_mlp), w, chunks),
-                            self.ffn_norm2, gate_mlp.tanh())
-        else:
+        """``scratch``: where a modulated block writes its activations, run whole (``Scratch``)."""
+        if not self.modulated:
             x = x + self.attention_norm2(clamp_fp16(self.attend(self.attention_norm1(x), freqs, w, chunks)))
-            x = x + self.ffn_norm2(self.ffn(self.ffn_norm1(x), w, chunks))
-        return x
+            return x + self.ffn_norm2(self.ffn(self.ffn_norm1(x), w, chunks))
+        s = scratch if scratch is not None and chunks is None else ALLOCATE
+        scale_msa, gate_msa, scale_mlp, gate_mlp = self._factors(adaln, s)
+        x = self._gated(x, self.attend(self._scaled(x, self.attention_norm1, scale_msa, s), freqs, w, chunks, s),
+                        self.attention_norm2, gate_msa, s)
+        return self._gated(x, self.ffn(self._scaled(x, self.ffn_norm1, scale_mlp, s), w, chunks, s),
+                           self.ffn_norm2, gate_mlp, s)
 
-    def _modulated_in(self, s: Scratch, x, freqs, adaln, w: BigWeights):
-        """``forward`` of a modulated block, each op writing into ``s`` (``Scratch``) and the residual
-        into ``x`` itself: the same kernels, in the same order, as the other path."""
-        dim, ffn, heads, hd = s.dim, s.ffn, self.n_heads, self.head_dim
+    def _factors(self, adaln, s: Scratch | Allocating):
+        """adaLN's 1 + scale and tanh(gate), for the attention and the FFN."""
         lin = self.adaLN_modulation[0]
-        mod, scale_msa, gate_msa, scale_mlp, gate_mlp = s.modulation(adaln, lin.weight.shape[0])
-        parts = linear(adaln, lin.weight, lin.bias, out=mod).chunk(4, dim=1)
-        scale_msa, scale_mlp = (torch.add(c, 1, out=o) for c, o in ((parts[0], scale_msa), (parts[2], scale_mlp)))
-        gate_msa, gate_mlp = (torch.tanh(c, out=o) for c, o in ((parts[1], gate_msa), (parts[3], gate_mlp)))
-        norm = self.attention_norm1
-        h = elementwise.scaled_norm(x, norm.weight, norm.eps, scale_msa, out=s.region(x, 0, dim))
-        qkv = linear(h, w.qkv, out=s.region(x, dim, 3 * dim))
-        q, k, v = attention_input.make(qkv, self.attention.q_norm.weight, self.attention.k_norm.weight, freqs,
-                                       heads, hd, out=[s.heads(x, (4 + j) * dim, heads, hd) for j in range(3)])
-        o = linear(self.attention_fn(q, k, v, heads), w.out, out=s.region(x, 0, dim))
-        norm = self.attention_norm2
-        x = elementwise.gated_residual(x, clamp_fp16(o), norm.weight, norm.eps, gate_msa, out=x)
-        norm = self.ffn_norm1
-        h = elementwise.scaled_norm(x, norm.weight, norm.eps, scale_mlp, out=s.region(x, 0, dim))
-        a = linear(h, w.w1, out=s.region(x, dim, ffn))
-        g = elementwise.silu_gate(a, linear(h, w.w3, out=s.region(x, dim + ffn, ffn)), out=a)
-        f = linear(clamp_fp16(g), w.w2, out=s.region(x, 0, dim))
-        norm = self.ffn_norm2
-        return elementwise.gated_residual(x, clamp_fp16(f), norm.weight, norm.eps, gate_mlp, out=x)
+        mod, *out = s.modulation(adaln, lin.weight.shape[0])
+        scale_msa, gate_msa, scale_mlp, gate_mlp = linear(adaln, lin.weight, lin.bias, out=mod).chunk(4, dim=1)
+        return (torch.add(scale_msa, 1, out=out[0]), torch.tanh(gate_msa, out=out[1]),
+                torch.add(scale_mlp, 1, out=out[2]), torch.tanh(gate_mlp, out=out[3]))
 
     @staticmethod
-    def _scaled(x, norm: RMSNorm, scale):
+    def _scaled(x, norm: RMSNorm, scale, s: Scratch | Allocating):
         """norm(x) * scale, scale [B, D] (adaLN's 1 + scale)."""
-        return elementwise.scaled_norm(x, norm.weight, norm.eps, scale)
+        return elementwise.scaled_norm(x, norm.weight, norm.eps, scale, out=s.region(x, 0, x.shape[-1]))
 
     @staticmethod
-    def _gated(x, y, norm: RMSNorm, gate):
+    def _gated(x, y, norm: RMSNorm, gate, s: Scratch | Allocating):
         """x + gate * norm(y), gate [B, D] (adaLN's tanh(gate)); y clamped first where fp16."""
-        return elementwise.gated_residual(x, clamp_fp16(y), norm.weight, norm.eps, gate)
+        return elementwise.gated_residual(x, clamp_fp16(y), norm.weight, norm.eps, gate, out=s.over(x))
 
 
 class _TimestepEmbedder(nn.Module):
