@@ -11,13 +11,14 @@ PACK_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = "zimage_pack"
 
 
-def start(comfy_path, cpu=True):
-    """Make ComfyUI (CPU only, unless ``cpu`` is False) and this pack importable: the pack as
+def start(comfy_path, cpu=True, flags=()):
+    """Make ComfyUI (CPU only, unless ``cpu`` is False; ``flags``: more of its command line) and this
+    pack importable: the pack as
     ``zimage_pack``, the package ComfyUI imports it as (the bridge's imports of the core are relative
     to it), without running its ``__init__`` (which registers the nodes with a server). Import the
     core through it too (``zimage_pack.zimage_core``): one copy of its modules in the process."""
     sys.path.insert(0, comfy_path)
-    sys.argv = [sys.argv[0]] + (["--cpu"] if cpu else [])
+    sys.argv = [sys.argv[0]] + (["--cpu"] if cpu else []) + list(flags)
     import comfy.options
     comfy.options.enable_args_parsing()
     pack = types.ModuleType(PACKAGE)

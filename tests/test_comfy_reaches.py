@@ -29,3 +29,14 @@ def test_a_changed_reach_is_named(probe, words):
     msg = probe()
     assert msg and all(w in msg for w in words), msg
     assert cr._methods(Patcher, load=("device_to",)) is None and cr._attributes(Patcher, "load") is None
+
+
+@needs_comfyui
+@pytest.mark.parametrize("flags", [["--use-pytorch-cross-attention"], []])
+def test_torchs_attention_only_for_comfyuis_default_on_the_cards_that_prefer_cudnn(tmp_path, flags):
+    """With ComfyUI's default (PyTorch's SDPA, which the flag forces on the CPU), the cards of compute
+    capability 9.0 and 10.0 run torch's own choice; every other card, and every other attention
+    ComfyUI runs (its sub-quadratic one on the CPU here), ComfyUI's."""
+    res = run_check(tmp_path, "comfy_attention_check.py", *flags, timeout=300)
+    torchs = {"9.0", "10.0"} if flags else set()
+    assert res == {k: "torch" if k in torchs else "comfy" for k in res} and len(res) == 7, res
