@@ -228,7 +228,7 @@ class Block(nn.Module):
             self.adaLN_modulation = nn.Sequential(Linear(cfg.t_dim, 4 * cfg.dim))
 
     def attend(self, x, freqs, w: BigWeights, chunks: Chunks | None = None, s: Scratch | Allocating = ALLOCATE):
-        b, n, dim = x.shape
+        _, n, dim = x.shape
         qkv = (linear(x, w.qkv, out=s.region(x, dim, 3 * dim)) if chunks is None
                else _rowwise(lambda y: linear(y, w.qkv), x, chunks.rows, chunks.tick))
         q, k, v = attention_input.make(qkv, self.attention.q_norm.weight, self.attention.k_norm.weight, freqs,
