@@ -24,10 +24,11 @@ class PinnedPatcher(comfy.model_patcher.ModelPatcher):
     final norm, the slots its layers stream through being a run's memory, asked for as such; the
     VAE: its 168 MB), so making room for it takes the transformer's slots or a few of its layers
     instead of all of them, and unloading it is free (the masters stay). ``part`` is the
-    ``StreamedStack`` or ``DeviceCopies`` that holds the device buffers."""
+    ``StreamedStack`` or ``DeviceCopies`` that holds the device buffers of ``model``, the modules
+    it runs: ComfyUI's own (``owner.model``), or the pack's tree of them (the VAE's)."""
 
-    def __init__(self, owner, part):
-        super().__init__(owner.model, owner.load_device, owner.offload_device, size=part.loaded_bytes)
+    def __init__(self, owner, part, model):
+        super().__init__(model, owner.load_device, owner.offload_device, size=part.loaded_bytes)
         self.part = part
 
     def model_size(self):
@@ -72,7 +73,7 @@ def run_dtypes(entries) -> list:
 _pinned: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def _loaded_by_comfy(p) -> bool:
+def loaded_by_comfy(p) -> bool:
     """ComfyUI holds this patcher's weights on the GPU now (never true on a CPU-only setup,
     where loading moves nothing)."""
     return p.load_device != p.offload_device and any(
@@ -80,16 +81,17 @@ def _loaded_by_comfy(p) -> bool:
 
 
 def pinned_patcher(p, root, make_part, what, takes_patches=None):
-    """The pack's ``PinnedPatcher`` for ComfyUI's patcher ``p`` of the model ``root``, or None where
-    ComfyUI's own path must run the model: hooks on it, weight patches the part does not apply
-    itself (``takes_patches(p, part)``: the text encoder's stack applies a LoRA on its layers;
-    without it, any weight patch), ComfyUI holding it on the GPU now (the pack's device copies are
-    then dropped: one copy on the GPU is enough), Dynamic VRAM managing its weights, or a model
-    ``make_part`` cannot serve (``UnsupportedStack``)."""
+    """The pack's ``PinnedPatcher`` for ComfyUI's patcher ``p``, running the modules ``root`` (``p``'s
+    model, or the pack's tree of it), or None where ComfyUI's own path must run the model: hooks on
+    it, weight patches the part does not apply itself (``takes_patches(p, part)``: the text
+    encoder's stack applies a LoRA on its layers; without it, any weight patch), ComfyUI holding it
+    on the GPU now (the pack's device copies are then dropped: one copy on the GPU is enough),
+    Dynamic VRAM managing the weights of ``root``, or a model ``make_part`` cannot serve
+    (``UnsupportedStack``)."""
     mine = _pinned.get(p)
     if mine is None:  # a clone of a patcher the pack serves already (a LoRA on it)
         mine = next((m for m in list(_pinned.values()) if m.model is root), None)
-    if (p.patches and takes_patches is None) or getattr(p, "forced_hooks", None) is not None or _loaded_by_comfy(p):
+    if (p.patches and takes_patches is None) or getattr(p, "forced_hooks", None) is not None or loaded_by_comfy(p):
         if mine is not None:
             mine.part.unload()
         return None
@@ -106,7 +108,7 @@ def pinned_patcher(p, root, make_part, what, takes_patches=None):
         except UnsupportedStack as e:
             log.info("Z-Image: the %s runs through ComfyUI's loader: %s", what, e)
             return None
-        mine = PinnedPatcher(p, part)
+        mine = PinnedPatcher(p, part, root)
     if p not in _pinned:
         _pinned[p] = mine
         # ComfyUI's own patcher (or a clone of it) loading this model takes ours off the model

@@ -115,10 +115,10 @@ def reaches() -> list:
               lambda: _source_mentions(mp.ModelPatcher.__init__, "self.patches", "self.patches_uuid",
                                        "self.forced_hooks")),
         Reach("Which patchers ComfyUI holds on the GPU: model_management.current_loaded_models and "
-              "LoadedModel.model", "pinned.py: _loaded_by_comfy, model.py: take_back_memory",
+              "LoadedModel.model", "pinned.py: loaded_by_comfy, model.py: take_back_memory",
               lambda: _attributes(mm, "current_loaded_models") or _source_mentions(mm.LoadedModel, "def model")),
         Reach("Dynamic VRAM marks the modules it manages with an attribute _v (absent before v0.20)",
-              "pinned.py: pinned_patcher",
+              "pinned.py: pinned_patcher, vae.py: pinned_vae",
               lambda: _source_mentions(mp, "m._v = ") if hasattr(mp, "ModelPatcherDynamic") else None,
               SINCE_V020),
         Reach("model_mmap_residency and pinned_memory_size, overridden to say the pack's host copies are "

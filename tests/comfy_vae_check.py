@@ -32,6 +32,11 @@ with torch.inference_mode():  # as ComfyUI's executor runs nodes
         pinned = zc.pinned_vae(vae)
         res["pinned_loaded"].append(pinned is not None and pinned.loaded_size() == pinned.model_size() > 0)
         res["params_untouched"].append({k: v.data_ptr() for k, v in vae.first_stage_model.state_dict().items()} == own)
+        # the pack runs modules of its own (what ComfyUI sets on its modules as it loads them stays
+        # off them) over the model's own tensors
+        res.setdefault("own_modules", {id(m) for m in pinned.model.modules()}.isdisjoint(
+            id(m) for m in vae.first_stage_model.modules()))
+        res.setdefault("same_tensors", {k: v.data_ptr() for k, v in pinned.model.state_dict().items()} == own)
         res["equal"].append(torch.equal(ours, nodes.VAEDecode().decode(vae, latent)[0]))
         # ComfyUI's own first load of the VAE drops the pack's copies (later ones, on the CPU,
         # find its weights still in place and load nothing)

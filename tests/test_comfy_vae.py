@@ -13,6 +13,7 @@ def test_pinned_vae_matches_comfyui(tmp_path):
     assert res["equal"] == [True, True]  # torch.equal with a stock VAEDecode, two sizes
     assert res["pinned_loaded"] == [True, True]
     assert res["params_untouched"] == [True, True]
+    assert res["own_modules"] and res["same_tensors"]  # a tree of its own, no tensor copied
     assert res["dropped_when_comfy_loads"]  # a stock VAEDecode after it: one copy on the GPU
     assert res["unloaded"] and res["same_after_reload"]
     # a weight patch on the VAE takes ComfyUI's path, and applies
