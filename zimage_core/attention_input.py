@@ -67,12 +67,11 @@ def _kernel():
     return attention_input
 
 
-def make(qkv, q_weight, k_weight, freqs, heads: int, head_dim: int, out=None):
+def make(qkv, q_weight, k_weight, freqs, heads: int, head_dim: int):
     """[B, L, 3*H*D] qkv, the q and k norm weights [D] and the rotations [B, L, 1, D/2, 2, 2] ->
-    q, k, v as [B, H, L, D]: the kernel's where it runs (``usable``), written into ``out`` where
-    given (three contiguous [B, H, L, D] tensors), else torch's (which ignore ``out``)."""
+    q, k, v as [B, H, L, D]: the kernel's where it runs (``usable``), else torch's."""
     if usable(qkv, freqs, head_dim):
-        return fused(qkv, q_weight, k_weight, freqs, heads, head_dim, out)
+        return fused(qkv, q_weight, k_weight, freqs, heads, head_dim)
     return torch_path(qkv, q_weight, k_weight, freqs, heads, head_dim)
 
 
@@ -83,12 +82,10 @@ def usable(qkv: torch.Tensor, freqs: torch.Tensor, head_dim: int) -> bool:
             and head_dim >= 4 and head_dim & (head_dim - 1) == 0 and runs_on(qkv.device))
 
 
-def fused(qkv, q_weight, k_weight, freqs, heads: int, head_dim: int, out=None):
-    """``make``'s q, k, v from the kernel, each contiguous (``out``'s where given). Its inputs must
-    be contiguous."""
+def fused(qkv, q_weight, k_weight, freqs, heads: int, head_dim: int):
+    """``make``'s q, k, v from the kernel, each contiguous. Its inputs must be contiguous."""
     b, n, _ = qkv.shape
-    q, k, v = out if out is not None else (torch.empty(b, heads, n, head_dim, dtype=qkv.dtype, device=qkv.device)
-                                           for _ in range(3))
+    q, k, v = (torch.empty(b, heads, n, head_dim, dtype=qkv.dtype, device=qkv.device) for _ in range(3))
     hp = 1 << (heads - 1).bit_length()
     _kernel()[(b * n,)](qkv, q_weight, k_weight, freqs, q, k, v, n, qkv.stride(1), _EPS,
                         H=heads, HP=hp, D=head_dim)

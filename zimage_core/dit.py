@@ -61,76 +61,6 @@ def _rowwise(fn, x, size, tick):
     return torch.cat(out, dim=1)
 
 
-class Scratch:
-    """Where a forward's modulated blocks write their activations between the matrix products: one
-    device buffer per forward (and card), each op's output a view at a fixed place in it, reused by
-    every block in the order the stream runs them, and the residual updated in place. A block then
-    asks the allocator for little more than the attention's output, where it made 23 allocations
-    before: inside ComfyUI every one passes comfy-aimdo's hooks, a few microseconds each and some
-    over 100 (torch.profiler, a server on a nearly full 8 GB card), on the host that queues the
-    kernels.
-
-    The places, in columns of a block's tokens (each region [B, L, columns]): the normed input
-    [0, dim), qkv [dim, 4 dim), q, k, v [4 dim, 7 dim); the attention's projection back in [0, dim);
-    the FFN's normed input [0, dim), w1's and w3's outputs after it (the SiLU gate written over
-    w1's), w2's in [0, dim). adaLN's modulation and its four factors have a small buffer of their
-    own. The buffer is no larger than what those tensors took at their peak before
-    (``device_memory.activation_bytes``)."""
-
-    def __init__(self, cfg: ZImageConfig, rows: int, dtype, device):
-        """``rows``: batch times the most tokens a block of this forward runs."""
-        self.flat = torch.empty(rows * max(7 * cfg.dim, cfg.dim + 2 * cfg.ffn_dim), dtype=dtype, device=device)
-        self.small = None
-
-    def region(self, x, start: int, columns: int) -> torch.Tensor:
-        """The [B, L, columns] region from column ``start``, for ``x`` [B, L, ...]."""
-        b, n = x.shape[:2]
-        return self.flat[b * n * start:b * n * (start + columns)].view(b, n, columns)
-
-    def heads(self, x, heads: int, head_dim: int) -> list:
-        """q's, k's and v's [B, H, L, D] regions, for the normed input ``x`` [B, L, dim]."""
-        b, n, dim = x.shape
-        return [self.region(x, (4 + j) * dim, dim).view(b, heads, n, head_dim) for j in range(3)]
-
-    @staticmethod
-    def over(t):
-        """Where an op's output replaces its input ``t`` (the residual, w1's output)."""
-        return t
-
-    def modulation(self, adaln, columns: int) -> tuple:
-        """adaLN's [B, columns] modulation and its four [B, columns / 4] factors (each contiguous,
-        as the kernels read them), in ``adaln``'s dtype."""
-        b, d = adaln.shape[0], columns // 4
-        if self.small is None:  # every block of a forward has the same adaln
-            self.small = torch.empty(b * 2 * columns, dtype=adaln.dtype, device=self.flat.device)
-        factors = self.small[b * columns:].view(4, b, d)
-        return (self.small[:b * columns].view(b, columns), *factors.unbind(0))
-
-
-class Allocating:
-    """``Scratch``'s places where there is no buffer (a forward run in pieces, and the blocks without
-    adaLN): none, so each op allocates its output."""
-
-    @staticmethod
-    def region(x, start: int, columns: int):
-        return None
-
-    @staticmethod
-    def heads(x, heads: int, head_dim: int):
-        return None
-
-    @staticmethod
-    def over(t):
-        return None
-
-    @staticmethod
-    def modulation(adaln, columns: int) -> tuple:
-        return (None,) * 5
-
-
-ALLOCATE = Allocating()
-
-
 class BigWeights(NamedTuple):
     qkv: torch.Tensor
     out: torch.Tensor
@@ -146,14 +76,9 @@ def clamp_fp16(x):
     return x
 
 
-def linear(x, w, b=None, out=None):
-    """F.linear in the activation dtype; a weight stored narrower (fp8) is upcast on the device.
-    Given ``out``, the product is written there: the same kernel as F.linear's (``matmul`` without
-    a bias, ``addmm`` with one, for 2-D ``x`` only, as F.linear itself calls them)."""
-    w = w if w.dtype == x.dtype else w.to(x.dtype)
-    if out is None:
-        return F.linear(x, w, b)
-    return torch.matmul(x, w.t(), out=out) if b is None else torch.addmm(b, x, w.t(), out=out)
+def linear(x, w, b=None):
+    """F.linear in the activation dtype; a weight stored narrower (fp8) is upcast on the device."""
+    return F.linear(x, w if w.dtype == x.dtype else w.to(x.dtype), b)
 
 
 def rope(pos, dim, theta):
@@ -227,58 +152,45 @@ class Block(nn.Module):
         if modulated:
             self.adaLN_modulation = nn.Sequential(Linear(cfg.t_dim, 4 * cfg.dim))
 
-    def attend(self, x, freqs, w: BigWeights, chunks: Chunks | None = None, s: Scratch | Allocating = ALLOCATE):
-        _, n, dim = x.shape
-        qkv = (linear(x, w.qkv, out=s.region(x, dim, 3 * dim)) if chunks is None
-               else _rowwise(lambda y: linear(y, w.qkv), x, chunks.rows, chunks.tick))
+    def attend(self, x, freqs, w: BigWeights, chunks: Chunks | None = None):
+        b, n, _ = x.shape
+        qkv = linear(x, w.qkv) if chunks is None else _rowwise(lambda y: linear(y, w.qkv), x, chunks.rows, chunks.tick)
         q, k, v = attention_input.make(qkv, self.attention.q_norm.weight, self.attention.k_norm.weight, freqs,
-                                       self.n_heads, self.head_dim, out=s.heads(x, self.n_heads, self.head_dim))
+                                       self.n_heads, self.head_dim)
         if chunks is None:
-            return linear(self.attention_fn(q, k, v, self.n_heads), w.out, out=s.region(x, 0, dim))
+            return linear(self.attention_fn(q, k, v, self.n_heads), w.out)
         out = []
         for a, e in _pieces(n, chunks.queries):
             out.append(linear(self.attention_fn(q[:, :, a:e], k, v, self.n_heads), w.out))
             chunks.tick()
         return torch.cat(out, dim=1)
 
-    def ffn(self, x, w: BigWeights, chunks: Chunks | None = None, s: Scratch | Allocating = ALLOCATE):
-        dim, ffn = x.shape[-1], w.w1.shape[0]
-
+    def ffn(self, x, w: BigWeights, chunks: Chunks | None = None):
         def run(y):
-            a = linear(y, w.w1, out=s.region(y, dim, ffn))
-            g = elementwise.silu_gate(a, linear(y, w.w3, out=s.region(y, dim + ffn, ffn)), out=s.over(a))
-            return linear(clamp_fp16(g), w.w2, out=s.region(y, 0, dim))
+            return linear(clamp_fp16(elementwise.silu_gate(linear(y, w.w1), linear(y, w.w3))), w.w2)
         return run(x) if chunks is None else _rowwise(run, x, chunks.rows, chunks.tick)
 
-    def forward(self, x, freqs, adaln, w: BigWeights, chunks: Chunks | None = None, scratch: Scratch | None = None):
-        """``scratch``: where a modulated block writes its activations, run whole (``Scratch``)."""
-        if not self.modulated:
+    def forward(self, x, freqs, adaln, w: BigWeights, chunks: Chunks | None = None):
+        if self.modulated:
+            scale_msa, gate_msa, scale_mlp, gate_mlp = self.adaLN_modulation(adaln).chunk(4, dim=1)
+            x = self._gated(x, self.attend(self._scaled(x, self.attention_norm1, 1 + scale_msa), freqs, w, chunks),
+                            self.attention_norm2, gate_msa.tanh())
+            x = self._gated(x, self.ffn(self._scaled(x, self.ffn_norm1, 1 + scale_mlp), w, chunks),
+                            self.ffn_norm2, gate_mlp.tanh())
+        else:
             x = x + self.attention_norm2(clamp_fp16(self.attend(self.attention_norm1(x), freqs, w, chunks)))
-            return x + self.ffn_norm2(self.ffn(self.ffn_norm1(x), w, chunks))
-        s = scratch if scratch is not None and chunks is None else ALLOCATE
-        scale_msa, gate_msa, scale_mlp, gate_mlp = self._factors(adaln, s)
-        x = self._gated(x, self.attend(self._scaled(x, self.attention_norm1, scale_msa, s), freqs, w, chunks, s),
-                        self.attention_norm2, gate_msa, s)
-        return self._gated(x, self.ffn(self._scaled(x, self.ffn_norm1, scale_mlp, s), w, chunks, s),
-                           self.ffn_norm2, gate_mlp, s)
-
-    def _factors(self, adaln, s: Scratch | Allocating):
-        """adaLN's 1 + scale and tanh(gate), for the attention and the FFN."""
-        lin = self.adaLN_modulation[0]
-        mod, *out = s.modulation(adaln, lin.weight.shape[0])
-        scale_msa, gate_msa, scale_mlp, gate_mlp = linear(adaln, lin.weight, lin.bias, out=mod).chunk(4, dim=1)
-        return (torch.add(scale_msa, 1, out=out[0]), torch.tanh(gate_msa, out=out[1]),
-                torch.add(scale_mlp, 1, out=out[2]), torch.tanh(gate_mlp, out=out[3]))
+            x = x + self.ffn_norm2(self.ffn(self.ffn_norm1(x), w, chunks))
+        return x
 
     @staticmethod
-    def _scaled(x, norm: RMSNorm, scale, s: Scratch | Allocating):
+    def _scaled(x, norm: RMSNorm, scale):
         """norm(x) * scale, scale [B, D] (adaLN's 1 + scale)."""
-        return elementwise.scaled_norm(x, norm.weight, norm.eps, scale, out=s.region(x, 0, x.shape[-1]))
+        return elementwise.scaled_norm(x, norm.weight, norm.eps, scale)
 
     @staticmethod
-    def _gated(x, y, norm: RMSNorm, gate, s: Scratch | Allocating):
+    def _gated(x, y, norm: RMSNorm, gate):
         """x + gate * norm(y), gate [B, D] (adaLN's tanh(gate)); y clamped first where fp16."""
-        return elementwise.gated_residual(x, clamp_fp16(y), norm.weight, norm.eps, gate, out=s.over(x))
+        return elementwise.gated_residual(x, clamp_fp16(y), norm.weight, norm.eps, gate)
 
 
 class _TimestepEmbedder(nn.Module):
@@ -356,20 +268,13 @@ class ZImageDiT(nn.Module):
         r = cfg.n_refiner_layers
         follows = bool(self.runner.n_streamed) and another_forward_follows(transformer_options)
 
-        # the modulated blocks' activations, one buffer per card for the whole forward (``Scratch``);
-        # run in pieces (``chunks``), the blocks allocate theirs piece by piece instead
-        scratches = {}
-        rows = bs * (n_cap + img.shape[1])  # the main layers' joint sequence, the longest
-
         def stage(blocks, first, freqs, adaln):
             near = {}  # freqs and adaln on each device that runs these blocks (``LayerChain``), crossed once
 
             def run(i, y, big):
                 if y.device not in near:
                     near[y.device] = [None if t is None else to_device(t, y.device) for t in (freqs, adaln)]
-                if chunks is None and adaln is not None and y.device not in scratches:
-                    scratches[y.device] = Scratch(cfg, rows, y.dtype, y.device)
-                y = blocks[i - first](y, *near[y.device], big, chunks, scratches.get(y.device))
+                y = blocks[i - first](y, *near[y.device], big, chunks)
                 tick()
                 return y
             return run
@@ -383,7 +288,6 @@ class ZImageDiT(nn.Module):
         freqs = torch.cat((cap_freqs, img_freqs), dim=1)
         xs = self.runner.run_layers(xs, stage(self.layers, 2 * r, freqs, t), range(2 * r, cfg.n_blocks),
                                     next_forward=follows)
-        scratches.clear()
 
         out = self.final_layer(to_device(xs, dev), t)[:, n_cap:n_cap + n_img]
         out = out.view(bs, ht, wt, p, p, -1).permute(0, 5, 1, 3, 2, 4).flatten(4, 5).flatten(2, 3)

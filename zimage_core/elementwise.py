@@ -81,41 +81,34 @@ def usable(*tensors) -> bool:
             and all(t.is_contiguous() and t.dtype == x.dtype for t in tensors) and runs_on(x.device))
 
 
-# Each op below returns its result. Given ``out`` (contiguous, of the input's shape and dtype; it may
-# be ``x`` or ``a`` itself: a kernel's program reads its elements before it writes them), the
-# kernel writes the result there instead of into a new tensor; torch's ops ignore it.
-
-def scaled_norm(x, weight, eps, scale, out=None):
+def scaled_norm(x, weight, eps, scale):
     """rms_norm(x) * weight * scale, x [B, L, D], scale [B, D] (one per batch entry: adaLN's 1 + scale)."""
-    if usable(x, weight, scale):
-        return fused_scaled_norm(x, weight, eps, scale, out)
-    return torch_scaled_norm(x, weight, eps, scale)
+    fn = fused_scaled_norm if usable(x, weight, scale) else torch_scaled_norm
+    return fn(x, weight, eps, scale)
 
 
-def gated_residual(x, y, weight, eps, gate, out=None):
+def gated_residual(x, y, weight, eps, gate):
     """x + gate * (rms_norm(y) * weight), x and y [B, L, D], gate [B, D] (adaLN's tanh(gate))."""
-    if usable(x, y, weight, gate):
-        return fused_gated_residual(x, y, weight, eps, gate, out)
-    return torch_gated_residual(x, y, weight, eps, gate)
+    fn = fused_gated_residual if usable(x, y, weight, gate) else torch_gated_residual
+    return fn(x, y, weight, eps, gate)
 
 
-def silu_gate(a, b, out=None):
+def silu_gate(a, b):
     """silu(a) * b (the FFN's gate: w1's output through SiLU, times w3's)."""
-    if usable(a, b) and a.shape == b.shape:
-        return fused_silu_gate(a, b, out)
-    return torch_silu_gate(a, b)
+    fn = fused_silu_gate if usable(a, b) and a.shape == b.shape else torch_silu_gate
+    return fn(a, b)
 
 
-def fused_scaled_norm(x, weight, eps, scale, out=None):
-    return _norm_row(x, x, weight, eps, scale, gated=False, out=out)
+def fused_scaled_norm(x, weight, eps, scale):
+    return _norm_row(x, x, weight, eps, scale, gated=False)
 
 
-def fused_gated_residual(x, y, weight, eps, gate, out=None):
-    return _norm_row(x, y, weight, eps, gate, gated=True, out=out)
+def fused_gated_residual(x, y, weight, eps, gate):
+    return _norm_row(x, y, weight, eps, gate, gated=True)
 
 
-def _norm_row(x, y, weight, eps, factor, gated: bool, out=None):
-    out = torch.empty_like(x) if out is None else out
+def _norm_row(x, y, weight, eps, factor, gated: bool):
+    out = torch.empty_like(x)
     rows, dim, tokens = _rows(x)
     _kernels()[0][(rows,)](x, y, weight, factor, out, dim, tokens, eps, GATED=gated, BLOCK=_block(dim))
     return out
@@ -124,8 +117,8 @@ def _norm_row(x, y, weight, eps, factor, gated: bool, out=None):
 _SILU_BLOCK = 2048
 
 
-def fused_silu_gate(a, b, out=None):
-    out = torch.empty_like(a) if out is None else out
+def fused_silu_gate(a, b):
+    out = torch.empty_like(a)
     _kernels()[1][(-(-a.numel() // _SILU_BLOCK),)](a, b, out, a.numel(), BLOCK=_SILU_BLOCK)
     return out
 
