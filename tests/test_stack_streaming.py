@@ -178,6 +178,29 @@ def test_interrupted_forward_restores_the_model_and_the_next_run_is_right():
         assert torch.equal(enc(ids), whole)
 
 
+def test_a_model_moved_outside_inference_mode_streams_and_is_left_as_it_was():
+    """ComfyUI loads a model inside a prompt's inference mode, and its classic model manager moves
+    it back to the CPU outside it (``/free``): its tensors then have no version counter, and no op
+    can view them. The stack streams from them, looks its table up in them and gives the output of
+    the model as it was, and its layers and table keep their own tensors."""
+    torch.manual_seed(0)
+    ref = Encoder().requires_grad_(False)
+    torch.manual_seed(0)
+    with torch.inference_mode():
+        enc = Encoder().requires_grad_(False).to(torch.float64)  # loaded
+    enc.to(torch.float32)  # moved back, outside inference mode
+    ids = torch.randint(0, 50, (2, 7))
+    with pytest.raises(RuntimeError, match="version counter"):
+        enc.embed.weight.view(-1)
+    own = {k: v for k, v in enc.named_parameters() if not k.startswith("norm.")}  # the final norm gets a master
+    stack = StreamedStack(enc, "cpu", HostPool(), slots=2, max_resident=0)
+    for _ in range(2):
+        with torch.inference_mode(), stack.running():
+            out = enc(ids)
+        assert torch.equal(out, ref(ids))
+    assert all(v is own[k] for k, v in enc.named_parameters() if k in own)
+
+
 def test_a_model_without_a_uniform_stack_is_refused():
     enc = Encoder()
     enc.layers[2].mlp[0] = torch.nn.Linear(32, 64)  # a layer of another shape

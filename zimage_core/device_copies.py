@@ -20,10 +20,29 @@ from .devices import device_of
 from .host_memory import HostPool, maps_file
 
 
+def viewable(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or where no op can view it, a tensor on the same memory that can be viewed.
+
+    A tensor made in inference mode and then converted outside it keeps no version counter, yet no
+    longer counts as an inference tensor: any view of it, in either mode, raises "Inference tensors
+    do not track version counter". ComfyUI makes such tensors: it loads models inside a prompt's
+    inference mode, and its classic model manager moves a model back to the CPU outside it (the
+    server's ``/free``, the interface's "unload models")."""
+    if t.is_meta or t.is_inference():
+        return t
+    try:
+        t._version
+        return t
+    except RuntimeError:
+        with torch.inference_mode(False):
+            return torch.empty(0, dtype=t.dtype, device=t.device).set_(
+                t.untyped_storage(), t.storage_offset(), t.size(), t.stride())
+
+
 def copy_source(t):
     """A tensor as a copy source; a meta tensor (a key missing from the file) reads as zeros, as
     the model's own loader materialises it."""
-    return torch.zeros((), dtype=t.dtype).expand(t.shape) if t.is_meta else t.detach()
+    return torch.zeros((), dtype=t.dtype).expand(t.shape) if t.is_meta else viewable(t).detach()
 
 
 def host_masters(tensors: list, pool: HostPool) -> list:

@@ -26,7 +26,7 @@ import contextlib
 import torch
 
 from . import planner
-from .device_copies import DeviceCopies, copy_source, module_tensors
+from .device_copies import DeviceCopies, copy_source, module_tensors, viewable
 from .devices import device_free_bytes, device_of
 from .host_memory import HostPool
 from .layout import PackLayout, StreamConfig
@@ -161,12 +161,18 @@ class StreamedStack:
         if s.n_streamed:
             s.configure(s.n_resident, self.n_slots)
         self._running = [{k: m._parameters[n] for k, (m, n) in slots.items()} for slots in self.slots_of]
+        tables = [t.weight for t in self.tables]
         hooks = []
         try:
             for i, layer in enumerate(self.layers):
                 hooks.append(layer.register_forward_pre_hook(self._point(i, to_slot=True)))
                 hooks.append(layer.register_forward_hook(self._point(i, to_slot=False)))
             for table in self.tables:
+                # looked up where the model keeps it: a table its model manager moved back outside
+                # inference mode cannot be (``viewable``)
+                weight = viewable(table.weight)
+                if weight is not table.weight:
+                    table.weight = torch.nn.Parameter(weight, requires_grad=False)
                 hooks.append(table.register_forward_pre_hook(_ids_to_host))
                 hooks.append(table.register_forward_hook(self._rows_to_device))
             with self.outside.running():
@@ -183,6 +189,8 @@ class StreamedStack:
             for slots, own in zip(self.slots_of, self._running):
                 for k, (m, n) in slots.items():
                     m._parameters[n] = own[k]
+            for table, weight in zip(self.tables, tables):
+                table._parameters["weight"] = weight
             self._running = None
             if s.slots:
                 s.configure(s.n_resident, 0)  # the slots go with the run
