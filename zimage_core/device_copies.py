@@ -28,7 +28,7 @@ def viewable(t: torch.Tensor) -> torch.Tensor:
     do not track version counter". ComfyUI makes such tensors: it loads models inside a prompt's
     inference mode, and its classic model manager moves a model back to the CPU outside it (the
     server's ``/free``, the interface's "unload models")."""
-    if t.is_meta or t.is_inference():
+    if t.is_inference():
         return t
     try:
         t._version
